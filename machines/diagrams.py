@@ -279,20 +279,86 @@ def _dot_header(chart: CompiledChart) -> list[str]:
     ]
 
 
-def render_chart_dot(chart: ChartLike, active_state: str | None = None,
+class ActiveStatesError(ValueError):
+    """States to highlight that no run of the chart is in at once: ``unknown`` names no state
+    of the chart (by id), or ``apart`` is two states of it never active together (two
+    children of one compound, or of the chart: only a parallel state's regions are)."""
+
+    def __init__(self, chart: str, states: tuple[str, ...], unknown: tuple[str, ...] = (),
+                 apart: tuple[str, str] | None = None) -> None:
+        self.chart, self.unknown, self.apart, self.states = chart, unknown, apart, states
+        if unknown:
+            text = (f"active_state={unknown[0]!r} is" if len(unknown) == 1 else
+                    f"active_state: {', '.join(map(repr, unknown))} are") + f" not one of {states}"
+        else:
+            first, second = apart or ("", "")
+            text = (f"active_state: {first!r} and {second!r} are never active at once (one "
+                    f"configuration: the states of a parallel state's regions, and their "
+                    f"ancestors)")
+        super().__init__(f"{chart}: {text}")
+
+
+def active_configuration(chart: ChartLike, active: str | Iterable[str] | None
+                         ) -> tuple[str, ...]:
+    """The states to highlight, in the chart's order: ``active`` is one state id, a
+    configuration as the inspector and ``StatechartRun.state`` name it (``"a,b"``: the ids
+    joined by commas), or several of either; a blank part is none. Raises
+    ``ActiveStatesError`` naming every id the chart does not have, or two states no run is in
+    at once."""
+    chart = compiled(chart)
+    names: list[str] = []
+    for given in ([] if active is None else [active] if isinstance(active, str) else active):
+        parts = [given] if given in chart.states else given.split(",")
+        names += [part.strip() for part in parts if part.strip()]
+    unknown = tuple(dict.fromkeys(name for name in names if name not in chart.states))
+    if unknown:
+        raise ActiveStatesError(chart.name, chart.states, unknown=unknown)
+    chosen = set(names)
+    by_id = chart.declaration.states_map
+    lines = {name: _ancestors(by_id[name]) for name in chosen}
+    ordered = [name for name in chart.states if name in chosen]
+    for i, first in enumerate(ordered):
+        for second in ordered[i + 1:]:
+            if first in lines[second] or second in lines[first]:
+                continue  # one holds the other
+            common = next((a for a in lines[first] if a in lines[second]), None)
+            if common is None or not by_id[common].parallel:
+                raise ActiveStatesError(chart.name, chart.states, apart=(first, second))
+    return tuple(ordered)
+
+
+def _ancestors(state: Any) -> list[str]:
+    """The ids of ``state``'s ancestors, its parent first."""
+    found = []
+    parent = getattr(state, "parent", None)
+    while parent is not None:
+        found.append(str(parent.id))
+        parent = getattr(parent, "parent", None)
+    return found
+
+
+def _filled(chart: CompiledChart, active: tuple[str, ...]) -> frozenset[str]:
+    """The states of ``active`` drawn filled: the innermost (an ancestor given with a state
+    it holds is the box around it, left unfilled so the state stands out)."""
+    by_id = chart.declaration.states_map
+    held = {a for name in active for a in _ancestors(by_id[name])}
+    return frozenset(name for name in active if name not in held)
+
+
+def render_chart_dot(chart: ChartLike, active_state: str | Iterable[str] | None = None,
                      taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
     """Deterministic DOT of one chart (a chart class or its ``CompiledChart``);
-    ``active_state`` (a state id) is highlighted, the edges of the ``taken`` transition ids
-    drawn in ``PATH_COLOR``, ``notes`` (state -> text) written next to their state (the path
-    of one job, its refusing guards)."""
+    ``active_state`` (a state id, or a configuration: ``"a,b"`` or several ids, as
+    ``active_configuration`` reads it) is highlighted, the innermost states of it filled, the
+    edges of the ``taken`` transition ids drawn in ``PATH_COLOR``, ``notes`` (state -> text)
+    written next to their state (the path of one job, its refusing guards)."""
     chart = compiled(chart)
     taken = frozenset(taken)
     notes = dict(notes or {})
     visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
-    if active_state is not None and active_state not in chart.states:
-        raise ValueError(f"{chart.name}: active_state={active_state!r} is not one of {chart.states}")
+    active = _filled(chart, active_configuration(chart, active_state))
     if nested(chart):
-        return _render_nested_dot(chart, active_state, taken, notes, visited)
+        return _render_nested_dot(chart, active, taken, notes, visited)
     boxes = groups(chart)
     boxed_ids = {t.id for _, members in boxes for t in members}
     out = _dot_header(chart)
@@ -301,7 +367,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
         attrs_ = []
         if state in chart.finals:
             attrs_.append("peripheries=2")
-        if state == active_state:
+        if state in active:
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
         if state in visited:
             attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
@@ -379,7 +445,7 @@ def nested(chart: CompiledChart) -> bool:
                for state in chart.declaration.states_map.values())
 
 
-def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: frozenset[int],
+def _render_nested_dot(chart: CompiledChart, active: frozenset[str], taken: frozenset[int],
                        notes: Mapping[str, str], visited: set[str]) -> str:
     """DOT of a hierarchical chart: a compound state is a solid rounded box holding its
     children and a black dot at its initial child; a parallel state a dashed box holding one
@@ -403,7 +469,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         attrs_ = []
         if state_id in chart.finals:
             attrs_.append("peripheries=2")
-        if state_id == active_state:
+        if state_id in active:
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
         if state_id in visited:
             attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
@@ -422,7 +488,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         style = '"dashed, rounded"' if state.parallel else '"rounded"'
         color = f"color={PATH_COLOR}; penwidth=2.5; " if state.id in visited else ""
         fill = f'style="{style[1:-1]}, filled"; fillcolor="{ACTIVE_FILL}"; ' \
-            if state.id == active_state else f"style={style}; "
+            if state.id in active else f"style={style}; "
         out.append(f"{indent}subgraph cluster_{state.id} {{")
         out.append(f"{indent}  label={_q(_state_text(chart, state.id) + kind)}; {fill}{color}fontsize=13;")
         if state.parallel:
@@ -590,9 +656,10 @@ def _drawn_state(chart: CompiledChart, target: str) -> str:
     raise ValueError(f"{chart.name}: a step's target {target!r} is not one of {chart.states}")
 
 
-def render_chart_svg(chart: ChartLike, active_state: str | None = None) -> str:
+def render_chart_svg(chart: ChartLike, active_state: str | Iterable[str] | None = None) -> str:
     """SVG text of one chart (a chart class or its ``CompiledChart``; for a live view),
-    ``active_state`` highlighted.
+    ``active_state`` (a state or a configuration, as ``render_chart_dot`` takes it)
+    highlighted.
 
     Raises ``TypeError`` for what is not a chart, ``ValueError`` for an unknown state and
     ``GraphvizError`` when ``dot`` is missing or fails.

@@ -20,7 +20,9 @@ created after it). ``status`` (a callable returning ``{key: value}``) adds lines
 Routes, relative to the mount point: ``/`` the page (the charts drawn by graphviz, counts and
 rates painted and refreshed by its own script, no reload), ``/live.json`` the data,
 ``/{chart}.svg`` one chart (its ``active`` state highlighted; ``?active=STATE``: that state,
-a 400 naming it and the chart's states when the chart has none of that id), ``/runs/{run_id}`` the path of
+a 400 naming it and the chart's states when the chart has none of that id; a configuration,
+``?active=a,b`` or ``active=`` repeated, highlights each innermost state of it, two states no
+run is in at once a 400 naming both), ``/runs/{run_id}`` the path of
 one followed run (``?format=json``: its steps; else its chart with the path drawn). A
 parameter given empty (``?active=``) is not given, on every route. Drawing
 needs graphviz's ``dot``: without it those routes answer 503 naming it; ``/live.json`` and the
@@ -52,8 +54,10 @@ from calexec.machines.chart_support import ToolListener, remove_listener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
     EDGE_ID,
+    ActiveStatesError,
     NODE_ID,
     GraphvizError,
+    active_configuration,
     render_chart_svg,
     render_path_svg,
 )
@@ -152,12 +156,35 @@ class Registered:
         except Exception as err:  # noqa: BLE001 - the app's function may raise anything
             return None, (f"{self.name}: the active= function given to register raised "
                           f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-        if state is not None and state not in self.chart.states:
-            known = ", ".join(self.chart.states)
-            return None, (f"{self.name}: the active= function given to register answered a "
-                          f"state the chart does not have: {shown(state, 60)} (its states, by id: "
-                          f"{known:.200})")
-        return state, None
+        if state is None:
+            return None, None
+        try:  # a state, or a configuration (``a,b``: what ``state_of`` answers for a run)
+            if not isinstance(state, str):
+                raise ActiveStatesError(self.name, self.chart.states, unknown=(str(state),))
+            configuration = active_configuration(self.chart, state)
+        except ActiveStatesError as err:
+            said = f"{self.name}: the active= function given to register answered"
+            if err.unknown:
+                return None, (f"{said} a state the chart does not have: {shown(state, 60)} "
+                              f"(its states, by id: {', '.join(self.chart.states):.200})")
+            return None, (f"{said} states no run is in at once: {shown(state, 60)} "
+                          f"({unhighlightable(err, self.name, state)})")
+        return ",".join(configuration) or None, None
+
+
+def unhighlightable(err: ActiveStatesError, chart: str, value: str) -> str:
+    """Why ``err``'s states (``value`` as given) cannot be highlighted, for a user reading
+    JSON (names written as JSON): the ids the chart does not have, with its states, or the
+    two never active at once."""
+    if err.unknown:
+        said = ("not a state of" if list(err.unknown) == [value] else
+                f"{shown(err.unknown[0], 60)} is not a state of" if len(err.unknown) == 1 else
+                f"{', '.join(shown(u, 60) for u in err.unknown[:8])} are not states of")
+        return f"{said} {shown(chart, 60)} (its states, by id: {', '.join(err.states):.200})"
+    first, second = err.apart or ("", "")
+    return (f"{shown(first, 60)} and {shown(second, 60)} are never active at once: a run is in "
+            f"one child of the chart and of each compound state, in every region of a "
+            f"parallel state")
 
 
 def state_of(run: object) -> str | None:
@@ -387,8 +414,8 @@ class Inspector:
                  active: Callable[[], str | None] | None = None,
                  name: str | None = None, count_instances: bool = True) -> Registered:
         """Show ``chart``: its live runs (``runs``) or its counts per state (``counts``), the
-        state to highlight in its SVG (``active``; default: the state holding most runs, if
-        any). ``count_instances=False``: rates from compiled runs only (no class listener; an
+        state (or configuration, ``a,b``) to highlight in its SVG (``active``; default: the
+        state holding most runs, if any). ``count_instances=False``: rates from compiled runs only (no class listener; an
         app that never runs the class itself). ``ValueError`` for a name already registered
         or both/neither of runs, counts, or an empty or blank ``name``; ``TypeError`` for one of
         runs, counts, active that is not a function (a list of runs, not a function returning
@@ -729,14 +756,14 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
             return refused(request, 400, f"{', '.join(key[:60] for key in unknown[:8])}: "
                                          f"{said} ({{chart}}.svg?active=STATE)")
-        if len(given) > 1:
-            return refused(request, 400, "active: given more than once (one state to "
-                                         "highlight)")
-        if given and given[0] not in entry.chart.states:
-            known = ", ".join(entry.chart.states)
-            return refused(request, 400, f"active={shown(given[0][:60])}: not a state of {shown(name, 60)} "
-                                         f"(its states, by id: {known:.200})")
-        active = given[0] if given else entry.highlighted()
+        try:  # a state, or a configuration: ``a,b`` (as live.json and a run's page name
+            # it) or ``active=`` repeated (a parallel chart's run is in several states)
+            configuration = active_configuration(entry.chart, given)
+        except ActiveStatesError as err:
+            value = ",".join(given)
+            return refused(request, 400, f"active={shown(value[:120])}: "
+                                         f"{unhighlightable(err, name, value)}")
+        active = ",".join(configuration) if configuration else entry.highlighted()
         try:
             svg = await run_in_threadpool(opts.svg, entry.chart, active)
         except GraphvizError as err:

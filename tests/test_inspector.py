@@ -430,8 +430,11 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
                 ("active=nope", 'active="nope": not a state of "Lamp" (its states, by id: '
                                 "off, on)"),
                 ("activ=on", "activ: unknown parameter ({chart}.svg?active=STATE)"),
-                ("active=on&active=off", "active: given more than once (one state to "
-                                         "highlight)")]:
+                # (until stop 62 "given more than once": a configuration is several states)
+                ("active=on&active=off", 'active="on,off": "off" and "on" are never active at '
+                                         "once: a run is in one child of the chart and of "
+                                         "each compound state, in every region of a parallel "
+                                         "state")]:
             answer = client.get(f"/charts/Lamp.svg?{query}")
             assert answer.status_code == 400, (query, answer.text)
             assert answer.json() == {"error": error}, query
