@@ -54,8 +54,8 @@ from calexec.machines.chart_support import ToolListener, remove_listener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
     EDGE_ID,
-    ActiveStatesError,
     NODE_ID,
+    ActiveStatesError,
     GraphvizError,
     active_configuration,
     render_chart_svg,
@@ -415,8 +415,8 @@ class Inspector:
                  name: str | None = None, count_instances: bool = True) -> Registered:
         """Show ``chart``: its live runs (``runs``) or its counts per state (``counts``), the
         state (or configuration, ``a,b``) to highlight in its SVG (``active``; default: the
-        state holding most runs, if any). ``count_instances=False``: rates from compiled runs only (no class listener; an
-        app that never runs the class itself). ``ValueError`` for a name already registered
+        state holding most runs, if any). ``count_instances=False``: rates from compiled runs
+        only (no class listener; an app that never runs the class itself). ``ValueError`` for a name already registered
         or both/neither of runs, counts, or an empty or blank ``name``; ``TypeError`` for one of
         runs, counts, active that is not a function (a list of runs, not a function returning
         it), or a ``name`` that is not a str."""
