@@ -43,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from statemachine import StateChart
@@ -170,6 +170,33 @@ class Registered:
             return None, (f"{said} states no run is in at once: {shown(state, 60)} "
                           f"({unhighlightable(err, self.name, state)})")
         return ",".join(configuration) or None, None
+
+
+def busiest_configuration(chart: CompiledChart, counts: Mapping[str, int]) -> str | None:
+    """The state holding most runs (the first of the chart's order on a tie), None when none
+    holds any; on a hierarchical chart a configuration, ``a,b``: from the busiest top state
+    down, the busiest child of each compound and every region of a parallel state holding
+    runs (every run is in the top state and its ancestors, so the busiest single state was
+    always the outermost: the whole chart's box filled, where the states runs are in were
+    not)."""
+    def busiest(states: Iterable[Any]) -> Any:
+        best = max(states, key=lambda state: counts.get(state.id, 0), default=None)
+        return best if best is not None and counts.get(best.id, 0) > 0 else None
+
+    def down(state: Any) -> list[str]:
+        found = [str(state.id)]
+        if state.parallel:
+            for region in state.states:
+                if counts.get(region.id, 0) > 0:
+                    found += down(region)
+        elif state.states:
+            child = busiest(state.states)
+            if child is not None:
+                found += down(child)
+        return found
+
+    top = busiest(chart.declaration.states)
+    return None if top is None else ",".join(down(top))
 
 
 def unhighlightable(err: ActiveStatesError, chart: str, value: str) -> str:
@@ -445,9 +472,7 @@ class Inspector:
             counted = counts
 
             def busiest() -> str | None:
-                now = counted()
-                best = max(now, key=lambda s: now[s], default=None)
-                return best if best is not None and now[best] else None
+                return busiest_configuration(shared, counted())
             active = busiest
         instances = _InstanceCounter(shared)
         with self._mu:

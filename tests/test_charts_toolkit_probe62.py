@@ -266,3 +266,27 @@ def test_a_configuration_is_drawn_with_its_innermost_states_filled(
     with pytest.raises(diagrams.ActiveStatesError, match="'basal' and 'dosing' are never active"):
         render_chart_dot(chart, ["basal", "dosing"])
     assert compiled(chart).states[0] == "running"
+
+
+def test_the_default_highlight_of_a_hierarchical_chart_is_its_busiest_configuration(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found at stop 62: without ``?active=`` the inspector highlights the state holding most
+    runs, and on a hierarchical chart every run is in its top state: ``running`` (the whole
+    parallel box) was filled whatever the runs did. It is now the busiest configuration:
+    the busiest child of each compound, each region of a parallel state holding runs."""
+    module = _module(tmp_path, monkeypatch)
+    pumps = [module.InsulinPump(module.PumpModel()) for _ in range(3)]
+    pumps[0].send("start_bolus")
+    pumps[1].send("pressure_high")
+    inspector = Inspector()
+    entry = inspector.register(module.InsulinPump, runs=lambda: pumps, count_instances=False)
+    assert entry.highlighted() == "running,delivery,basal,monitor,clear"
+    pumps[2].send("start_bolus")
+    assert entry.highlighted() == "running,delivery,bolus,priming,monitor,clear"
+    idle = inspector.register(module.InsulinPump, runs=list, name="idle", count_instances=False)
+    assert idle.highlighted() is None
+    dot = render_chart_dot(module.InsulinPump, entry.highlighted())
+    filled = [line.split()[0] for line in dot.splitlines() if "turquoise" in line
+              and not line.startswith("legend")]
+    assert filled == ["priming", "clear"], filled
+    inspector.close()
