@@ -290,3 +290,33 @@ def test_the_default_highlight_of_a_hierarchical_chart_is_its_busiest_configurat
               and not line.startswith("legend")]
     assert filled == ["priming", "clear"], filled
     inspector.close()
+
+
+def test_draw_check_checks_the_charts_png_that_is_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found at stop 62 following docs/framework.md step 2 word for word (``draw``, ``draw
+    --png``, then ``draw --check`` in CI): after the chart changed, ``--check`` without
+    ``--png`` never looked at the PNG drawn before, and its ``fix:`` line redrew the DOT and SVG
+    alone, so the stale PNG passed every later check. A PNG of the chart in ``--out`` is now
+    checked whenever it is there, and the fix says ``--png``. (The files are written as a
+    draw writes them, the SVG's DOT hash included, so no graphviz is needed.)"""
+    import hashlib
+
+    module = _module(tmp_path, monkeypatch)
+    ref = f"{module.__name__}:InsulinPump"
+    out = tmp_path / "diagrams"
+    out.mkdir()
+    dot = render_chart_dot(module.InsulinPump)
+    sha = hashlib.sha256(dot.encode("utf-8")).hexdigest()
+    (out / "InsulinPump.dot").write_text(dot, encoding="utf-8")
+    (out / "InsulinPump.svg").write_text(f"<svg><!-- calexec-dot-sha256: {sha} --></svg>\n",
+                                         encoding="utf-8")
+    assert cli(["charts", "draw", ref, "--check"]) == 0  # no PNG there: none checked
+    capsys.readouterr()
+    (out / "InsulinPump.png").write_bytes(b"\x89PNG\r\n\x1a\n of the chart before it changed")
+    assert cli(["charts", "draw", ref, "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"stale: {Path('diagrams') / 'InsulinPump.png'}: not rendered from the current " \
+           "DOT" in err, err
+    assert f"fix: calexec charts draw {ref} --out diagrams --png" in err, err

@@ -6,8 +6,9 @@ that declares it (``MODULE`` is imported from the current directory, see
 ``draw`` writes ``<out>/<Class>.dot`` and ``.svg`` (``--png``: and ``.png``; refused, exit 2,
 when ``<Class>.dot`` there is the diagram of another class of that name, from another module),
 or with
-``--check`` exits 1 when those files are not what the chart renders now (compares DOT text
-and the DOT sha256 the SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
+``--check`` exits 1 when those files (and the chart's ``.png`` there, with ``--png`` or
+without) are not what the chart renders now (compares DOT text and the DOT sha256 the
+SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
 to every state, to every transition, and a transition tour (walks from the initial state that
 together take every transition), as text or, with ``--json``, as data a test can iterate
 (``calexec.machines.paths.as_data``). A walk whose chart must choose otherwise as it starts
@@ -140,13 +141,17 @@ def draw(argv: list[str]) -> int:
                         help="directory of <Class>.dot/.svg(/.png)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the files in --out are not what the chart renders now")
-    parser.add_argument("--png", action="store_true", help="also write (or check) <Class>.png")
+    parser.add_argument("--png", action="store_true",
+                        help="also write <Class>.png (--check checks one that is there anyway)")
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
     if args.check:
         # (a file there: every diagram "missing", exit 1, and the fix named refused, exit 2)
         refuse_non_directory("--out", args.out)
-        problems = stale(chart, args.out, args.png)
+        # a PNG of this chart in --out is checked too, --png or not: drawn once with --png,
+        # it went stale unseen (the fix line named no --png, and redrew the others alone)
+        png = args.png or (args.out / f"{chart.declaration.__name__}.png").is_file()
+        problems = stale(chart, args.out, png)
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
         if problems:
@@ -159,7 +164,7 @@ def draw(argv: list[str]) -> int:
                       "replace the other chart's diagram", file=sys.stderr)
                 return EXIT_FAILED
             print(f"fix: calexec charts draw {shlex.quote(args.chart)} --out "
-                  f"{shlex.quote(str(args.out))}" + (" --png" if args.png else ""),
+                  f"{shlex.quote(str(args.out))}" + (" --png" if png else ""),
                   file=sys.stderr)
             return EXIT_FAILED
         print(f"{chart.name}: diagrams in {args.out} are up to date")
