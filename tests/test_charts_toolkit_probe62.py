@@ -320,3 +320,16 @@ def test_draw_check_checks_the_charts_png_that_is_there(
     assert f"stale: {Path('diagrams') / 'InsulinPump.png'}: not rendered from the current " \
            "DOT" in err, err
     assert f"fix: calexec charts draw {ref} --out diagrams --png" in err, err
+
+
+def test_a_mutant_id_with_a_typo_names_the_id_it_resembles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mutant`` of an id with a typo said ``no such mutant`` alone, where the same typo
+    in the ``--equivalent`` list now names the id it resembles: both do."""
+    module = _module(tmp_path, monkeypatch)
+    assert cli(_mutate(module, "--mutant", "drop:clear-pressure_high->suspct")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("calexec charts mutate: --mutant='drop:clear-pressure_high->suspct': no such "
+                   "mutant; did you mean 'drop:clear-pressure_high->suspect'? (list them with "
+                   "--json on a --sample run, or see derive())"), err

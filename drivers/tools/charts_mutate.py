@@ -243,9 +243,11 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
                     if len(charts) == 1:
                         by_id[known] = (chart, mutant)
         unknown = sorted(wanted - set(by_id))
-        if unknown:
-            raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
-                             f"on a --sample run, or see derive())")
+        if unknown:  # (the id it resembles, as an --equivalent entry's: a typo or an old id)
+            close = difflib.get_close_matches(unknown[0], list(by_id), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"--mutant={unknown[0]!r}: no such mutant{hint} (list them with "
+                             f"--json on a --sample run, or see derive())")
         chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
         other = next((m for m in args.mutant if args.kind and by_id[m][1].kind not in args.kind),
                      None)
