@@ -15,9 +15,12 @@ from calexec.drivers.tools.accept.gate_rig import growth
 from calexec.drivers.tools.accept.report import write_report
 from calexec.machines.completion import Completion
 
+# the chaos gate at the shortest soak it judges (3 s a phase, ~6 faults and ~50 requests):
+# `calexec accept --quick` (CI's step 5) runs 6 s a phase, tests/test_chaos.py a 6 s soak of its own
 TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,
                     lengths=(1, 16, 17, 40959), crosstalk_tokens=20, injections=14,
-                    soak_seconds=3.0, soak_sample_s=0.05, soak_fault_every_s=0.2)
+                    soak_seconds=3.0, soak_sample_s=0.05, soak_fault_every_s=0.2,
+                    chaos_seconds=accept.MIN_CHAOS_SECONDS)
 GATE_NAMES = [f"{g}_{p}" for p in ("a", "b") for g in accept.GATES]
 
 
