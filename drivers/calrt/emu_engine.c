@@ -300,6 +300,7 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
         uint64_t tile = ((uint64_t)(job->cur - 1) / d0) * d0;
         uint16_t *out = (uint16_t *)job->ob->devmem;
         memset(out, 0, m->out[0].byte_size);
+        job->ob->devmem_written = 1;
         for (uint64_t r = 0; r < d0 && tile + r < job->cur; r++)
             fill_logits(out + r * vocab, chain[tile + r + 1] ^ m->salt, vocab);
         uint64_t vrow = (uint64_t)(job->cur - 1) % d0;

@@ -97,7 +97,8 @@ typedef struct emu_outbuf {
     emu_obj h;
     emu_model *m;
     emu_map map;
-    uint8_t *devmem; /* device-side output, byte_size bytes */
+    uint8_t *devmem; /* device-side output, byte_size bytes (not zero-filled: see below) */
+    int devmem_written; /* a compute wrote devmem; until then it reads as zeros */
     int32_t status;
     uint64_t valid_bytes;
     struct emu_job *job; /* in flight, NULL when idle or finished */
