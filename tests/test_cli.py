@@ -223,7 +223,9 @@ def test_a_calbin_with_a_bad_dtype_is_refused_naming_it(tmp_path, line, bad, nam
 def test_a_library_that_is_not_one_is_named_exit_2(tmp_path):
     fake = tmp_path / "libfake.so"
     fake.write_bytes(b"not an ELF")
-    done = calexec("serve", "--runtime-lib", str(fake))
+    # any free port: the bind comes first (its "cannot listen there" would hide the library's
+    # refusal when another process holds 8000, as it did on CI's host)
+    done = calexec("serve", "--port", "0", "--runtime-lib", str(fake))
     assert done.returncode == 2 and f"--runtime-lib='{fake}': cannot load" in one_line(done.stderr)
 
 
