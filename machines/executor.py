@@ -1221,6 +1221,29 @@ class DeviceExecutor(SequenceOwnership):
         return self.completion.complete_one(
             block, self._completion_holds)
 
+    def let_end(self, handle: JobHandle, until: float) -> None:
+        """Let the job of ``handle`` (cancelled, never taken: a step a greedy stream fired
+        ahead) end, so the KV txn it holds is settled when this returns. Threaded: wait for
+        it, until ``until`` (``Clock.monotonic()``); not on the executor's own threads (only
+        they end it). Stepped (``threads=False``): this thread drives ``submit_one`` and
+        ``complete_one`` until it is resolved or nothing is left to do (bounded: a queued
+        job that was cancelled fails at the next ``submit_one``, a submitted one's Wait is
+        bounded by its execution deadline), as ``decode_sync`` and a stream's ``wait`` drive
+        it; not from inside one of those steps (a done callback), which it would re-enter.
+        (Until stop 62 a stepped executor never waited: the discarded step stayed queued
+        with the sequence's KV txn open, and ``release_sequence``, a request of the sequence
+        or a greedy stream's ``close()`` then release answered ``kv.sequence_busy`` where the
+        plain path, with no step fired ahead, answers ``OK``.)"""
+        if handle.done or self.on_worker_thread():
+            return
+        if self.config.threads:
+            handle.wait_until(until)
+            return
+        if any(job is not None for job in self._holding.values()):
+            return  # inside a step of this executor (a done callback): never re-entered
+        while not handle.done and (self.submit_one() or self.complete_one()):
+            pass
+
     @property
     def completing(self) -> int:
         """Jobs submitted and not completed yet (no lock: a length)."""

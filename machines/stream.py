@@ -518,14 +518,14 @@ class DecodeStream:
             # that once close() returns the sequence is free
             JobHandle(job).wait_until(ex.clock.monotonic() + _CLOSE_WAIT_S)
         if ahead is not None:  # fired ahead, never taken: cancel it and let it end (bounded;
-            handle = ahead[1]  # stepped mode: whoever drives the executor completes it)
+            handle = ahead[1]  # stepped mode: this thread drives the executor until it has)
             handle.cancel()
             self._discarded = handle
-            if waits and wait:
-                handle.wait_until(ex.clock.monotonic() + _AHEAD_WAIT_S)
-        elif wait and self._discarded is not None and waits:
+            if wait:
+                ex.let_end(handle, ex.clock.monotonic() + _AHEAD_WAIT_S)
+        elif wait and self._discarded is not None:
             # an earlier close(wait=False) left it: a later close() waits as promised
-            self._discarded.wait_until(ex.clock.monotonic() + _AHEAD_WAIT_S)
+            ex.let_end(self._discarded, ex.clock.monotonic() + _AHEAD_WAIT_S)
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------
@@ -560,10 +560,11 @@ class DecodeStream:
         ends its KV txn holds the sequence, and that request (or the caller's own next step,
         admitted again) answered ``kv.sequence_busy`` where the plain path, with no step fired
         ahead, admits it. Not on the executor's own threads (only the completion thread
-        resolves it) nor in stepped mode (whoever drives the executor completes it)."""
+        resolves it); in stepped mode this thread drives the executor until it has ended
+        (``DeviceExecutor.let_end``; until stop 62 it did not, and the release or request
+        answered ``kv.sequence_busy``)."""
         ex = self.ex
-        if ex.config.threads and not ex.on_worker_thread():
-            handle.wait_until(min(until, ex.clock.monotonic() + _AHEAD_WAIT_S))
+        ex.let_end(handle, min(until, ex.clock.monotonic() + _AHEAD_WAIT_S))
 
     def _take_ahead(self) -> tuple[int, JobHandle] | None:
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the

@@ -158,6 +158,11 @@ def _event(ex, calbin, caller: _Caller, event: str) -> _HeldLifecycle | None:
         status = Status.OK
     elif event == "release":
         status = ex.release_sequence(1, wait_s=5.0)
+    elif event == "request":  # another request of the sequence (its prompt again, from 0)
+        handle = ex.enqueue(prefill(1, PROMPT))
+        _drive(ex, handle)
+        done = handle.wait_until(caller.end)
+        status = done if isinstance(done, Status) else Status.OK
     elif event == "shutdown":
         status = ex.shutdown(5.0)
     elif event == "cancel":
@@ -259,9 +264,8 @@ def test_a_step_after_a_release_or_a_shutdown_answers_as_the_plain_path(calbin, 
                                                                         threads):
     """The same differential across a ``release_sequence`` of the stream's sequence and a
     completed ``shutdown()``, each made while the step fired ahead waits in the queue
-    (stepped) or after it ended (threads). (A release on the stepped executor finds the
-    sequence busy on every path but the plain one: the queued step ahead, or the armed one,
-    leaves only when whoever drives the executor runs it; docs/embedding.md §3.)"""
+    (stepped) or after it ended (threads). (The stepped executor's release:
+    ``test_a_release_or_a_request_on_the_stepped_executor_answers_as_the_plain_path``.)"""
     answers = _differential(calbin, event, threads)
     plain = answers["enqueue"]
     for path in PATHS:
@@ -316,3 +320,64 @@ def test_a_step_during_a_switch_or_a_shutdown_answers_as_the_plain_path(calbin, 
     assert plain[-1][:2] == ("lifecycle.unavailable", Category.UNAVAILABLE), plain
     for path in PATHS:
         assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["queued", "on_device"])
+@pytest.mark.parametrize("event", ["release", "request"])
+def test_a_release_or_a_request_on_the_stepped_executor_answers_as_the_plain_path(
+        calbin, event, on_device):
+    """Stop 62: on the stepped executor (threads off: the caller drives ``submit_one`` and
+    ``complete_one``) a ``release_sequence`` of a greedy stream's sequence, or another
+    request of it, made while the step fired ahead waits in the queue (or, one submit later,
+    runs on the device) answered ``kv.sequence_busy``: the discarded step's KV txn stayed
+    open until someone drove the executor, where the plain path and a pre-armed stream
+    answer ``OK`` (and the next step ``kv.past_len_beyond_committed``). The call now drives
+    the executor until that step has ended, as ``decode_sync`` and a stream's ``wait`` do."""
+    answers = _differential(calbin, event, False, on_device=on_device)
+    plain = answers["enqueue"]
+    assert plain[-1][0] == "kv.past_len_beyond_committed", plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["stepped", "threads"])
+@pytest.mark.parametrize("greedy", [False, True], ids=["prearm", "greedy"])
+def test_a_stream_closed_then_released_leaves_its_sequence_free(calbin, greedy, threads):
+    """The order docs/embedding.md §3 gives an embedder: take a step, ``close()`` the stream,
+    ``release_sequence``. On the stepped executor a greedy stream's ``close()`` left the step
+    it fired ahead (cancelled, never taken) in the queue, its KV txn open, so the release
+    answered ``kv.sequence_busy`` ("a bug in the order above": the id withheld for good) where
+    a pre-armed stream's answers ``OK``. ``close()`` now drives the executor until that step
+    ended; the sequence then takes a new prefill."""
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
+        calbin_path=calbin, threads=threads, check_lock_order=True, strict_lock_order=False))
+    assert ex.start().ok
+    try:
+        end = ex.clock.monotonic() + 30.0
+        if threads:  # the caller waits for each step: the completion thread fires ahead
+            assert ex.device.emu.set_latency(decode_us=20000) == 0
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 16))
+        _drive(ex, first)
+        result = first.wait_until(end)
+        assert isinstance(result, InferenceResult), result
+        stream = ex.decode_stream(1, result.kv_len, end, greedy_ahead=greedy)
+        for _ in range(8):  # (greedy: until one step was fired ahead)
+            result = stream.step(result.argmax)
+            assert isinstance(result, InferenceResult), result
+            if not greedy or stream.ahead is not None:
+                break
+        if greedy:
+            ahead = stream.ahead
+            assert ahead is not None and ahead[1] is not None, "nothing was fired ahead"
+        closed = stream.close()
+        assert closed.code == "request.cancelled", closed
+        assert stream.quiet
+        released = ex.release_sequence(1, wait_s=5.0)
+        assert released.ok, released
+        again = ex.enqueue(prefill(1, PROMPT))
+        _drive(ex, again)
+        again_result = again.wait_until(end)
+        assert isinstance(again_result, InferenceResult), again_result
+        assert again_result.kv_len == len(PROMPT)
+    finally:
+        ex.shutdown(5.0)
