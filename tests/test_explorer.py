@@ -259,8 +259,9 @@ def test_a_violated_chart_contract_is_reported_by_the_explorer(monkeypatch):
 
 
 def test_pct_random_schedules():
-    """PCT schedules of random scenarios (traffic, faults, hangs, recoveries, switches,
-    refused goldens, cancels, bad arguments, sequence resets, shutdown)."""
+    """PCT schedules of random scenarios (traffic, decode streams pre-armed and greedy ahead,
+    faults, hangs, recoveries, switches, refused goldens, cancels, bad arguments, sequence
+    releases racing the streams, a mid-run shutdown, the final shutdown)."""
     count = SCHEDULES - EXAMPLES
     for seed in range(FIRST_SEED, FIRST_SEED + count):
         X.explore_seed(CALBINS, seed)  # raises ExplorationFailure naming the seed
@@ -286,6 +287,15 @@ class ExplorerMachine(RuleBasedStateMachine):
     @rule(seq=st.sampled_from(X.SEQS), deadline=st.sampled_from((0.05, 0.5, 5.0)))
     def decode(self, seq, deadline):
         self.x.decode(seq, deadline)
+
+    @rule(seq=st.sampled_from(X.SEQS), steps=st.integers(1, 4), greedy=st.booleans(),
+          deadline=st.sampled_from((0.05, 0.5, 5.0)))
+    def stream(self, seq, steps, greedy, deadline):
+        self.x.stream(seq, steps, greedy, deadline)
+
+    @rule()
+    def shutdown(self):
+        self.x.shutdown()
 
     @rule(which=st.integers(0, 2))
     def bad_argument(self, which):

@@ -1351,8 +1351,9 @@ _CLOSED = 0  # explorers closed in this process
 
 class Explorer:
     """One executor under the controlled scheduler. Drive it with the scenario methods
-    (``start``, ``prefill``, ``decode``, ``bad_argument``, ``cancel``, ``arm``,
-    ``request_recovery``, ``switch``, ``reset_sequence``, ``run``, ``finish``); every call is
+    (``start``, ``prefill``, ``decode``, ``stream``, ``bad_argument``, ``cancel``, ``arm``,
+    ``request_recovery``, ``switch``, ``reset_sequence``, ``shutdown``, ``run``, ``finish``);
+    every call is
     recorded in ``script`` so ``replay(script, choices)`` reproduces the schedule."""
 
     def __init__(self, calbins: dict[str, str], chooser=None, *, reset_kind: str = "reset",
@@ -1383,6 +1384,12 @@ class Explorer:
         self.resolved_order: dict[int, int] = {}
         self.results: list = []
         self.rows: dict[int, np.ndarray] = {}  # job id -> the caller's logits row
+        #: job id -> a copy of a decode stream step's logits, taken when its ``wait()``
+        #: returned (valid until the stream's next step): checked against the oracle
+        self.stream_logits: dict[int, np.ndarray] = {}
+        #: one (seq, greedy, answers) per ``stream`` action: each step's code ("ok" or the
+        #: Status code) in order, then the ``close()`` code
+        self.streams: list[tuple[int, bool, list[str]]] = []
         self.pools: list = []
         self.gens: list = []
         self.discarded: set[int] = set()
@@ -1504,6 +1511,52 @@ class Explorer:
                                     past_len=past, deadline=self._deadline(deadline_s))
         self._request(make, row=True)
 
+    def stream(self, seq: int, steps: int, greedy: bool, deadline_s: float = 5.0) -> None:
+        """A ``decode_stream`` of ``seq`` from its committed length (the next step pre-armed;
+        ``greedy``: greedy ahead, the completion thread firing each next step with the
+        argmax): ``steps`` steps, the first with token 11, each next one with the argmax of
+        the one before, then ``close()``, racing whatever runs. Every step's handle is tracked
+        as a request's (resolved by its bound; none unresolved at the end), and so is each
+        step fired ahead, read after every step (``DecodeStream.ahead``), taken or
+        discarded; every step's logits are checked against the oracle."""
+        self.script.append(("stream", seq, steps, greedy, deadline_s))
+        ex = self.ex
+
+        def body():
+            answers: list[str] = []
+            self.streams.append((seq, greedy, answers))
+            seen: set[int] = set()
+
+            def track(handle: JobHandle) -> None:
+                if handle.job_id not in seen:
+                    seen.add(handle.job_id)
+                    self._track(handle)
+            stream = ex.decode_stream(seq, self._committed(seq), self._deadline(deadline_s),
+                                      greedy_ahead=greedy)
+            token = 11
+            try:
+                for _ in range(steps):
+                    submitted = stream.submit(token)
+                    if isinstance(submitted, Status):
+                        answers.append(submitted.code)
+                        break
+                    track(submitted)
+                    result = stream.wait()
+                    ahead = stream.ahead
+                    if ahead is not None and ahead[1] is not None:
+                        track(ahead[1])
+                    if isinstance(result, Status):
+                        answers.append(result.code)
+                        if result.code == "internal.unexpected_exception":
+                            self.sched.fail(f"a decode stream's step: {result}")
+                        break
+                    answers.append("ok")
+                    self.stream_logits[submitted.job_id] = np.array(result.logits, copy=True)
+                    token = int(result.argmax)
+            finally:
+                answers.append(stream.close().code)
+        self._spawn("stream", body)
+
     def bad_argument(self, which: int) -> None:
         """A caller error: logits_out too small / of the wrong dtype, a NaN deadline."""
         self.script.append(("bad_argument", which))
@@ -1589,10 +1642,11 @@ class Explorer:
 
     def shutdown(self) -> None:
         """A drain/shutdown started now, racing whatever runs (``finish`` waits for admin
-        calls first). Not in the default scenarios (adding it would change what every
-        recorded seed explores); a model switch racing it, once an open finding
-        (switch_model raised AttributeError once shutdown released the generation), is
-        explored by tests/test_core_probe60.py and passes (stop 60)."""
+        calls first, then shuts down again). In the random scenarios since stop 62, drawn
+        beside them (``with_streams``: the seed's other actions stay what they were); a
+        model switch racing it, once an open finding (switch_model raised AttributeError
+        once shutdown released the generation), is explored by tests/test_core_probe60.py
+        and passes (stop 60)."""
         self.script.append(("shutdown",))
         ex = self.ex
         self._spawn("shutdown-early", lambda: ex.shutdown(grace=2.0))
@@ -1700,10 +1754,13 @@ class Explorer:
             if tokens is None:  # (the explorer's requests are all token requests)
                 raise AssertionError(f"job {job.job_id}: committed without tokens")
             ref.run([int(t) for t in tokens], request.past_len)
-            if job.job_id not in self.rows or result is None or isinstance(result, Status):
-                continue  # (a row this explorer's requests did not own: not theirs to check)
+            got = self.stream_logits.get(job.job_id)  # a decode stream's step (a copy)
+            if got is None:
+                if job.job_id not in self.rows or result is None or isinstance(result, Status):
+                    continue  # (a row this explorer's requests did not own: not theirs)
+                got = result.logits
             expected = oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
-            if not np.array_equal(result.logits, expected[:result.logits.shape[0]]):
+            if not np.array_equal(got, expected[:got.shape[0]]):
                 problems.append(f"job {job.job_id} (seq {request.seq_id} at "
                                 f"{request.past_len}): logits differ from the oracle")
         return problems
@@ -1968,6 +2025,26 @@ def random_script(rng: random.Random, length: int) -> list[tuple]:
     return script
 
 
+def with_streams(rng: random.Random, script: list[tuple]) -> list[tuple]:
+    """``script`` with decode streams (pre-armed, greedy ahead) and, in some scenarios, a
+    mid-run shutdown inserted among its actions (since stop 62). Drawn from a generator of
+    their own, so a seed's other actions, and their order, stay what they were. A
+    ``reset_sequence`` (``release_sequence``) drawn beside a stream of its sequence races
+    that stream's steps, the step it fired ahead and its ``close()``."""
+    out: list[tuple] = []
+    for action in script:
+        if rng.random() < 0.12:
+            seq = rng.choice(SEQS)
+            out.append(("stream", seq, rng.randint(1, 4), rng.random() < 0.6,
+                        rng.choice((0.05, 0.5, 5.0))))
+            if rng.random() < 0.3:  # its sequence released while it runs
+                out.append(("reset_sequence", seq))
+        out.append(action)
+    if rng.random() < 0.15:
+        out.insert(rng.randint(len(out) // 2, len(out)), ("shutdown",))
+    return out
+
+
 def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
                  exclude: Sequence[str] = ()) -> Explorer:
     """One PCT schedule of a random scenario, both drawn from ``seed``; raises
@@ -1980,7 +2057,8 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
         # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
         # own, so a seed's scenario and schedule stay what they were in Phase A
         "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
-    script = [a for a in random_script(rng, length) if a[0] not in exclude]
+    script = [a for a in with_streams(random.Random(seed ^ 0x5EA), random_script(rng, length))
+              if a[0] not in exclude]
     # change points over the scenario's expected length (~12 choices per action after the
     # start), as Shuttle sizes them from the executions it has seen
     chooser = PCTChooser(seed, depth=rng.randint(1, 6), steps=12 * len(script) + 20)
