@@ -18,7 +18,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, JobHandle
 from executor_harness import (
     MANIFEST,
     arm,
@@ -75,6 +75,9 @@ class _Caller:
     def __init__(self, ex, path: str, past: int, end: float) -> None:
         self.ex, self.path, self.past, self.end = ex, path, past, end
         self.cancelled = False
+        #: answers of other callers' requests an event made (compared as the steps are)
+        self.notes: list[tuple] = []
+        self.beside: JobHandle | None = None  # another sequence's request, not waited yet
         self.stream = (None if path == "enqueue" else
                        ex.decode_stream(1, past, end, greedy_ahead=path == "greedy"))
 
@@ -158,6 +161,18 @@ def _event(ex, calbin, caller: _Caller, event: str) -> _HeldLifecycle | None:
         status = Status.OK
     elif event == "release":
         status = ex.release_sequence(1, wait_s=5.0)
+    elif event == "kv_wait":  # (a KV of 3 blocks) seq 2 takes the last block; its decode
+        # beyond it waits for KV no one frees, until its deadline
+        taken = ex.enqueue(prefill(2, list(range(16))))
+        _drive(ex, taken)
+        assert isinstance(taken.wait_until(caller.end), InferenceResult)
+        waits = ex.enqueue(decode(2, 7, 16, seconds=0.3))
+        _drive(ex, waits)
+        caller.notes.append(_answer(waits.wait_until(caller.end)))
+        status = Status.OK
+    elif event == "beside":  # another sequence's prefill, queued beside the stream's steps
+        caller.beside = ex.enqueue(prefill(2, PROMPT))
+        status = Status.OK
     elif event == "request":  # another request of the sequence (its prompt again, from 0)
         handle = ex.enqueue(prefill(1, PROMPT))
         _drive(ex, handle)
@@ -178,13 +193,14 @@ def _event(ex, calbin, caller: _Caller, event: str) -> _HeldLifecycle | None:
 
 
 def _history(calbin, path: str, event: str, threads: bool, before: int,
-             on_device: bool = False) -> tuple[list[tuple], int]:
+             on_device: bool = False, **config) -> tuple[list[tuple], int]:
     """Prefill, ``before`` decode steps (greedy: until one fired its next step ahead, at most
-    ``before``), ``event``, then up to two more steps with the argmax. The answers, and how
-    many steps came before the event."""
+    ``before``), ``event``, then up to two more steps with the argmax, then the answers of
+    other requests the event made (``notes``). The answers, and how many steps came before
+    the event. ``config``: ExecutorConfig fields."""
     ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
-        calbin_path=calbin, threads=threads, check_lock_order=True, strict_lock_order=False),
-        clock=_Shifted())
+        calbin_path=calbin, threads=threads, check_lock_order=True, strict_lock_order=False,
+        **config), clock=_Shifted())
     started = ex.start()
     assert started.ok, started
     # the caller's deadline: one the ``deadline`` event passes, else far
@@ -221,6 +237,10 @@ def _history(calbin, path: str, event: str, threads: bool, before: int,
             answers.append(_answer(result))
             if not isinstance(result, InferenceResult):
                 break
+        if caller.beside is not None:
+            _drive(ex, caller.beside)
+            caller.notes.append(_answer(caller.beside.wait_until(end)))
+        answers.extend(caller.notes)
         if caller.stream is not None:
             caller.stream.close(wait=switching is None)
         if switching is not None:
@@ -230,12 +250,13 @@ def _history(calbin, path: str, event: str, threads: bool, before: int,
         ex.shutdown(5.0)
 
 
-def _differential(calbin, event: str, threads: bool, on_device: bool = False
+def _differential(calbin, event: str, threads: bool, on_device: bool = False, **config
                   ) -> dict[str, list[tuple]]:
     """The history on the three paths: the greedy one first (how many steps it took until
     one was fired ahead: the others take as many before the event)."""
-    greedy, taken = _history(calbin, "greedy", event, threads, before=8, on_device=on_device)
-    answers = {path: _history(calbin, path, event, threads, before=taken)[0]
+    greedy, taken = _history(calbin, "greedy", event, threads, before=8, on_device=on_device,
+                             **config)
+    answers = {path: _history(calbin, path, event, threads, before=taken, **config)[0]
                for path in PATHS if path != "greedy"}
     answers["greedy"] = greedy
     return answers
@@ -381,3 +402,97 @@ def test_a_stream_closed_then_released_leaves_its_sequence_free(calbin, greedy, 
         assert again_result.kv_len == len(PROMPT)
     finally:
         ex.shutdown(5.0)
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["stepped", "threads"])
+def test_a_kv_wait_beside_an_armed_step_answers_as_the_plain_path(calbin, threads):
+    """Stop 62: another sequence's request waits for KV no one frees (a KV of 3 blocks, all
+    held) until its deadline while the stream's next step is armed (or fired ahead): it
+    answers as beside the plain path (``kv.deadline``, RESOURCE_EXHAUSTED), and so do the
+    stream's steps after."""
+    answers = _differential(calbin, "kv_wait", threads,
+                            device_config="kv_blocks=3;kv_block_size=16")
+    plain = answers["enqueue"]
+    assert plain[-1][0] == "kv.deadline", plain
+    assert [a[0] for a in plain[:-1]] == ["ok"] * (len(plain) - 1), plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("capacity", [1, 2], ids=["phase_a", "phase_b"])
+@pytest.mark.parametrize("threads", [False, True], ids=["stepped", "threads"])
+def test_a_request_beside_the_step_fired_ahead_answers_as_the_plain_path(calbin, threads,
+                                                                         capacity):
+    """Stop 62: another sequence's prefill queued beside the stream's steps (the step fired
+    ahead queued, or on the device; Phase B: two jobs in flight): every step and that
+    request answer as beside the plain path."""
+    answers = _differential(calbin, "beside", threads, inflight_capacity=capacity)
+    plain = answers["enqueue"]
+    assert [a[0] for a in plain] == ["ok"] * len(plain), plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["queued", "on_device"])
+def test_a_cancel_while_the_step_fired_ahead_is_queued_or_on_the_device_answers_as_the_plain_path(
+        calbin, on_device):
+    """Stop 62: the caller gives up (``cancel()``) between the firing ahead and the adoption,
+    the step fired ahead queued or already on the device (the stepped executor, one submit
+    later): the next step is cancelled on every path."""
+    answers = _differential(calbin, "cancel", False, on_device=on_device)
+    plain = answers["enqueue"]
+    assert plain[-1][0] == "request.cancelled", plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+def _early_history(calbin, path: str, threads: bool) -> list[tuple]:
+    """The stream opened, and its first token sent, before the prefill's result is read (the
+    prefill queued, or on the device); then the prefill's result, and two steps with the
+    argmax (a stream closed by a refused step is opened again, as a server's next request
+    would)."""
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
+        calbin_path=calbin, threads=threads, check_lock_order=True, strict_lock_order=False))
+    assert ex.start().ok
+    end = ex.clock.monotonic() + 30.0
+    try:
+        if threads:  # the prefill is on the device when the first token comes
+            assert ex.device.emu.set_latency(prefill_per_token_us=250000) == 0
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 16))
+        if threads:
+            until(lambda: first.state == "Submitted",
+                  what="the prefill on the device")
+        caller = _Caller(ex, path, len(PROMPT), end)
+        answers = [_answer(caller.step(0))]
+        _drive(ex, first)
+        result = first.wait_until(end)
+        answers.append(_answer(result))
+        assert isinstance(result, InferenceResult), result
+        for _ in range(2):
+            if caller.stream is not None and caller.stream.closed:
+                caller.stream = ex.decode_stream(1, caller.past, end,
+                                                 greedy_ahead=path == "greedy")
+            result = caller.step(result.argmax)
+            answers.append(_answer(result))
+            if not isinstance(result, InferenceResult):
+                break
+        if caller.stream is not None:
+            caller.stream.close()
+        return answers
+    finally:
+        ex.shutdown(5.0)
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["stepped", "threads"])
+def test_a_stream_whose_first_token_comes_before_the_prefill_result_answers_as_the_plain_path(
+        calbin, threads):
+    """Stop 62: a stream opened, and its first token sent, while its sequence's prefill is
+    still queued (or on the device): the plain path refuses that token (``kv.sequence_busy``,
+    the prefill's job open); so must a pre-armed and a greedy stream, and the steps after the
+    prefill's result answer alike."""
+    answers = {path: _early_history(calbin, path, threads) for path in PATHS}
+    plain = answers["enqueue"]
+    assert plain[0][0] == "kv.sequence_busy", plain
+    assert [a[0] for a in plain[1:]] == ["ok"] * 3, plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
