@@ -1522,7 +1522,7 @@ class Explorer:
         self.script.append(("stream", seq, steps, greedy, deadline_s))
         ex = self.ex
 
-        def body():
+        def body() -> None:
             answers: list[str] = []
             self.streams.append((seq, greedy, answers))
             seen: set[int] = set()
