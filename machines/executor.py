@@ -1225,15 +1225,16 @@ class DeviceExecutor(SequenceOwnership):
         """Let the job of ``handle`` (cancelled, never taken: a step a greedy stream fired
         ahead) end, so the KV txn it holds is settled when this returns. Threaded: wait for
         it, until ``until`` (``Clock.monotonic()``); not on the executor's own threads (only
-        they end it). Stepped (``threads=False``): this thread drives ``submit_one`` and
-        ``complete_one`` until it is resolved or nothing is left to do (bounded: a queued
-        job that was cancelled fails at the next ``submit_one``, a submitted one's Wait is
-        bounded by its execution deadline), as ``decode_sync`` and a stream's ``wait`` drive
-        it; not from inside one of those steps (a done callback), which it would re-enter.
-        (Until stop 62 a stepped executor never waited: the discarded step stayed queued
-        with the sequence's KV txn open, and ``release_sequence``, a request of the sequence
-        or a greedy stream's ``close()`` then release answered ``kv.sequence_busy`` where the
-        plain path, with no step fired ahead, answers ``OK``.)"""
+        they end it). Stepped (``threads=False``): while it is still queued, this thread
+        runs ``submit_one``, which fails a cancelled queued job before it submits anything
+        (no device call, no wait); one already submitted ends only when the caller drives
+        ``complete_one`` (a Wait on the device, which a stepped device answers only when
+        the test moves it): docs/embedding.md §3. Not from inside a step of this executor
+        (a done callback), which it would re-enter. (Until stop 62 a stepped executor did
+        nothing: the discarded step stayed queued with the sequence's KV txn open, and
+        ``release_sequence``, a request of the sequence or a greedy stream's ``close()``
+        then release answered ``kv.sequence_busy`` where the plain path, with no step fired
+        ahead, answers ``OK``.)"""
         if handle.done or self.on_worker_thread():
             return
         if self.config.threads:
@@ -1241,7 +1242,8 @@ class DeviceExecutor(SequenceOwnership):
             return
         if any(job is not None for job in self._holding.values()):
             return  # inside a step of this executor (a done callback): never re-entered
-        while not handle.done and (self.submit_one() or self.complete_one()):
+        job = job_of(handle)
+        while not handle.done and not job.submitted_at and self.submit_one():
             pass
 
     @property

@@ -518,7 +518,7 @@ class DecodeStream:
             # that once close() returns the sequence is free
             JobHandle(job).wait_until(ex.clock.monotonic() + _CLOSE_WAIT_S)
         if ahead is not None:  # fired ahead, never taken: cancel it and let it end (bounded;
-            handle = ahead[1]  # stepped mode: this thread drives the executor until it has)
+            handle = ahead[1]  # stepped mode: failed here while queued, ``let_end``)
             handle.cancel()
             self._discarded = handle
             if wait:
@@ -560,8 +560,8 @@ class DecodeStream:
         ends its KV txn holds the sequence, and that request (or the caller's own next step,
         admitted again) answered ``kv.sequence_busy`` where the plain path, with no step fired
         ahead, admits it. Not on the executor's own threads (only the completion thread
-        resolves it); in stepped mode this thread drives the executor until it has ended
-        (``DeviceExecutor.let_end``; until stop 62 it did not, and the release or request
+        resolves it); in stepped mode this thread fails it while it is still queued
+        (``DeviceExecutor.let_end``; until stop 62 nothing did, and the release or request
         answered ``kv.sequence_busy``)."""
         ex = self.ex
         ex.let_end(handle, min(until, ex.clock.monotonic() + _AHEAD_WAIT_S))
