@@ -45,10 +45,20 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    ``deadline_slack_s`` (at least that slack), as the server cuts such a stream.
 4. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
    forwarded once, to whichever replica the router picks: they describe or steer one replica,
-   and an admin POST is never repeated on another. A request marked relayed by the ingress
-   (``x-calexec-relayed-from: ingress``) is never relayed again by the replica's own edge: the
-   ingress is the one place that retries. A response from a sibling after a failover carries
-   ``x-calexec-relayed-from: <the replica that failed>``.
+   and an admin POST is never repeated on another. Each is bounded: its whole answer within
+   ``route_timeout_s`` (``admin_timeout_s`` for ``/admin/*``, whose reload runs a model
+   switch), else the replica's call is cancelled and the client gets 504 ``wait.deadline``
+   naming the route, the replica and the bound (with ``Retry-After`` on the routes a retry
+   may serve elsewhere; ``x-should-retry: false`` on ``/admin/*``, whose work may still be
+   under way on that replica): a replica that hangs without dying held such a request, and
+   its client's connection, for ever. A JSON or text answer cut after it started (a replica
+   that died mid-body, a bound met while the body went out) is left unfinished, so the
+   server closes the connection and the client sees an incomplete body: the SSE error event
+   goes only into an SSE stream (it was appended to the JSON body, which then looked whole).
+   A request marked relayed by the ingress (``x-calexec-relayed-from: ingress``) is never
+   relayed again by the replica's own edge: the ingress is the one place that retries. A
+   response from a sibling after a failover carries ``x-calexec-relayed-from: <the replica
+   that failed>``.
 5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
    down) answers every new request 503 + ``Retry-After`` ("fleet is draining"; its body read
    first, bounded: :meth:`FleetIngress._refuse_draining`), except the
@@ -136,6 +146,13 @@ class FailoverSettings:
     #: + this, and at least this long: then the client is taken as gone and its response cut,
     #: as the server's ``deadline_slack_s`` cuts a stream whose client stopped reading
     deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    #: the whole answer of a route forwarded once (/health, /ready, /metrics, /v1/models,
+    #: /tokenize, /debug...: a replica answers them at once) must come within this, else 504
+    route_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    #: the same for ``/admin/*``: ``/admin/reload`` runs a model switch, bounded on the replica
+    #: by the executor's drain_grace_s + fence_grace_s + golden_timeout_s per golden job,
+    #: twice when it rolls back (67 s with the defaults), plus the calbin's open: 120 s
+    admin_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
 
 
 @attrs.define
@@ -156,6 +173,8 @@ class _Client:
     failed_from: str | None = None  # the first replica that failed this request
     cut_at: float = math.inf  # a send still waiting then (time.monotonic()) cuts the response
     slack_s: float = 0.5  # ...and every send may wait at least this long
+    replica: str | None = None  # the replica answering now, once it named itself
+    sse: bool = False  # the response that started is an SSE stream (``text/event-stream``)
 
     def resume(self, deadline: float) -> dict[str, Any]:
         admitted = self.admitted or {}
@@ -294,9 +313,17 @@ class FleetIngress:
         failover = (scope["method"], route_path(scope)) in RELAY_ROUTES
         await self._serve(scope, body, receive, send, failover)
 
+    def route_bound(self, scope: Message) -> tuple[float, str]:
+        """The bound of a route forwarded once, and the setting's name."""
+        if route_path(scope).startswith("/admin/"):
+            return self.settings.admin_timeout_s, "admin_timeout_s"
+        return self.settings.route_timeout_s, "route_timeout_s"
+
     async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
                      failover: bool) -> None:
-        deadline = time.monotonic() + request_timeout(body, self.settings.default_timeout_s)
+        timeout = (request_timeout(body, self.settings.default_timeout_s) if failover
+                   else self.route_bound(scope)[0])
+        deadline = time.monotonic() + timeout
         slack = self.settings.deadline_slack_s
         client = _Client(cut_at=deadline + slack, slack_s=slack)
         avoid: list[str] = []
@@ -313,15 +340,19 @@ class FleetIngress:
                         request["resume"] = client.resume(deadline)
                 forwarding = asyncio.ensure_future(self._attempt(request, client, send))
                 # the request's deadline bounds an attempt too (a replica that stopped
-                # answering, a call no replica took), past the replica's own answer to it
-                bound = None if not failover else max(
-                    0.0, deadline + 2 * self.settings.deadline_slack_s - time.monotonic())
+                # answering, a call no replica took), past the replica's own answer to it;
+                # a route forwarded once: its own bound (a replica that hangs held it for ever)
+                until = deadline + (2 * self.settings.deadline_slack_s if failover else 0.0)
+                bound = max(0.0, until - time.monotonic())
                 done, _ = await asyncio.wait({forwarding, watching}, timeout=bound,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if forwarding not in done:  # _attempt stops the replica
                     forwarding.cancel()
                     await asyncio.gather(forwarding, return_exceptions=True)
                     if watching in done:  # the client left
+                        return
+                    if not failover:
+                        await self._route_timeout(scope, client, send)
                         return
                     self.exhausted += 1
                     if self.on_exhausted is not None:
@@ -374,6 +405,31 @@ class FleetIngress:
             await asyncio.gather(watching, *[f for f in (forwarding,) if f is not None],
                                  return_exceptions=True)
 
+    async def _route_timeout(self, scope: Message, client: _Client, send: Send) -> None:
+        """A route forwarded once had no whole answer within its bound: 504 (its call is
+        cancelled), or, its answer started, nothing more (the server closes the connection)."""
+        bound_s, name = self.route_bound(scope)
+        route = f"{scope['method']} {route_path(scope)[:200]}"
+        log.warning("%s: no answer from replica %s within %s=%g s", route, client.replica,
+                    name, bound_s)
+        try:
+            if client.started:  # left unfinished: the server closes the connection (cut)
+                return
+            admin = name == "admin_timeout_s"
+            after = ("the replica may still be running it: see GET /ready and its metrics "
+                     "before sending it again" if admin else "another replica may answer a retry")
+            status = Status.deadline(Phase.WAIT, (
+                f"{route}: no answer from replica {client.replica or '(none took the call)'} "
+                f"within {name}={bound_s:g} s (the fleet ingress's bound on a route forwarded "
+                f"once); {after}"))
+            extra = ((b"x-should-retry", b"false") if admin
+                     else (b"retry-after", str(self.settings.retry_after_s).encode()))
+            start, payload = refusal(status, 504, self.settings.retry_after_s)
+            await send_held(lambda message: _to_client(send, message, client),
+                            {**start, "headers": [*start["headers"], extra]}, payload)
+        except ClientGone as gone:
+            log.info("client left before its 504 could be sent (%s)", gone)
+
     def _count(self, cause: str, client: _Client) -> None:
         reprefill = 0
         if client.admitted is not None:
@@ -401,6 +457,7 @@ class FleetIngress:
                 kind = message.get("type")
                 if kind == PROGRESS_TYPE:
                     replica = message.get("replica", replica)  # the host names its replica
+                    client.replica = replica
                     if "seed" in message and client.admitted is None:
                         client.admitted = {k: message.get(k) for k in
                                            ("seed", "id", "created", "prompt_tokens",
@@ -414,7 +471,7 @@ class FleetIngress:
                     handed = message.get("handoff", handed)
                     continue
                 if kind == "http.response.start":
-                    replica = header_of(message, REPLICA_HEADER) or replica
+                    replica = client.replica = header_of(message, REPLICA_HEADER) or replica
                     status = message["status"]
                     if status == 503 or (client.started and status != 200):
                         held = message
@@ -451,6 +508,8 @@ class FleetIngress:
                         headers.append((RELAYED_FROM, client.failed_from.encode()))
                     await _to_client(send, {**start, "headers": headers}, client)
                     start, client.started = None, True
+                    kind_of = header_of({"headers": headers}, b"content-type") or ""
+                    client.sse = kind_of.lower().startswith("text/event-stream")
                 await _to_client(send, message, client)
                 if chunk:
                     client.opened = True
@@ -503,6 +562,9 @@ class FleetIngress:
                 await send_held(send, *refusal(unavailable(outcome), 503,
                                                self.settings.retry_after_s))
             return
+        if not client.sse:  # a JSON or text body cut short: an SSE event in it is garbage,
+            return  # and its end would make it look whole: left unfinished, the server
+            # closes the connection (the client sees an incomplete body)
         chunk = outcome.error_chunk or sse_error(outcome.held) or wire.sse(
             {"error": error_bodies.error_body(unavailable(outcome))})
         await send({"type": "http.response.body", "body": chunk, "more_body": False})
