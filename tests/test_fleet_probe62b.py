@@ -15,8 +15,10 @@ from calexec.drivers.serving.handoff import PROGRESS_TYPE
 
 
 class Hanging:
-    """A replica that names itself, then answers ``start`` (if given) and ``first`` body
-    bytes (if any), then hangs without dying; ``closed``: its call was stopped."""
+    """A replica that answers ``start`` (if given: with its ``x-calexec-replica``, as
+    ray_serve's ``ReplicaHeaders`` adds) and ``first`` body bytes (if any), then hangs
+    without dying; ``closed``: its call was stopped. It names itself first only when asked
+    for progress (ray_serve's ``relay_http``: completions and chat alone)."""
 
     def __init__(self, name: str = "r1", start: bool = False, first: bytes = b"",
                  content_type: bytes = b"application/json") -> None:
@@ -27,10 +29,12 @@ class Hanging:
     async def __call__(self, request: dict):
         self.calls.append(request)
         try:
-            yield {"type": PROGRESS_TYPE, "replica": self.name}
+            if request.get("progress"):
+                yield {"type": PROGRESS_TYPE, "replica": self.name}
             if self.start:
                 yield {"type": "http.response.start", "status": 200,
-                       "headers": [(b"content-type", self.content_type)]}
+                       "headers": [(b"content-type", self.content_type),
+                                   (b"x-calexec-replica", self.name.encode())]}
             if self.first:
                 yield {"type": "http.response.body", "body": self.first, "more_body": True}
             await asyncio.Event().wait()  # hangs: never answers more, never dies
@@ -95,7 +99,8 @@ def test_a_replica_hanging_on_a_route_forwarded_once_is_a_504_at_its_bound(metho
     error = json.loads(body)["error"]
     assert error["type"] == "timeout_error" and error["code"] == "wait.deadline", error
     assert f"{method} {path}" in error["message"] and "route_timeout_s=0.2 s" in error["message"]
-    assert "replica r1" in error["message"], error
+    # the replica is named once it named itself (its response start), else "its replica"
+    assert ("from replica r1" if started else "from its replica") in error["message"], error
     assert headers[b"retry-after"] == b"1" and b"x-request-id" in headers
     assert replica.closed.is_set() and len(replica.calls) == 1  # stopped, not retried
 

@@ -410,8 +410,8 @@ class FleetIngress:
         cancelled), or, its answer started, nothing more (the server closes the connection)."""
         bound_s, name = self.route_bound(scope)
         route = f"{scope['method']} {route_path(scope)[:200]}"
-        log.warning("%s: no answer from replica %s within %s=%g s", route, client.replica,
-                    name, bound_s)
+        log.warning("%s: no answer from replica %s within %s=%g s", route,
+                    client.replica or "(unnamed)", name, bound_s)
         try:
             if client.started:  # left unfinished: the server closes the connection (cut)
                 return
@@ -419,9 +419,10 @@ class FleetIngress:
             after = ("the replica may still be running it: see GET /ready and its metrics "
                      "before sending it again" if admin else "another replica may answer a retry")
             status = Status.deadline(Phase.WAIT, (
-                f"{route}: no answer from replica {client.replica or '(none took the call)'} "
-                f"within {name}={bound_s:g} s (the fleet ingress's bound on a route forwarded "
-                f"once); {after}"))
+                f"{route}: no answer from "
+                f"{'replica ' + client.replica if client.replica else 'its replica'} within "
+                f"{name}={bound_s:g} s (the fleet ingress's bound on a route forwarded once); "
+                f"{after}"))
             extra = ((b"x-should-retry", b"false") if admin
                      else (b"retry-after", str(self.settings.retry_after_s).encode()))
             start, payload = refusal(status, 504, self.settings.retry_after_s)
