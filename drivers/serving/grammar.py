@@ -514,8 +514,10 @@ def _finite(schema: Any, param: str) -> None:
                                       "Infinity): a JSON Schema needs finite numbers")
         if isinstance(value, float) and value < INT_LOW:
             raise GrammarError(param, f"{where}={shown(value)}: a number llguidance cannot "
-                                      "take (below -2^63+2048, where its grammar compiler "
-                                      "crashes): write a larger one, or leave it out")
+                                      "take (below -2^63+2048: as an integer's const or "
+                                      "range bound it crashed llguidance's grammar compiler, "
+                                      "as a number's range bound it cannot compile it): "
+                                      "write a larger one, or leave it out")
         if isinstance(value, int) and not isinstance(value, bool) and not _takes(value):
             raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance cannot "
                                       "take as written (it reads a schema's numbers as "
@@ -564,11 +566,70 @@ def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
         raise GrammarError(param, f"{param}: llguidance cannot compile it: {err}") from None
 
 
-def _checked(grammar: str, tokenizer: Any, param: str) -> str:
+#: a schema's range keywords, and the keywords whose value is a JSON value, not a schema
+RANGE_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})
+#: how llguidance 1.9.1 says it could not write a number's or an integer's range
+RANGE_FAILED = "Failed to generate regex for"
+
+
+def _compiles(schema: dict[str, Any]) -> bool:
+    from llguidance import LLMatcher
+    options: Any = JSON_OPTIONS  # llguidance's JsonCompileOptions
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    return not LLMatcher.validate_grammar_with_warnings(grammar)[0]
+
+
+def _range_place(schema: Any, param: str, message: str) -> GrammarError | None:
+    """The range bound of ``schema`` llguidance could not compile (its ``message`` says
+    "Failed to generate regex for float range: min=None, max=Some(1e19)", no place), as a
+    :class:`GrammarError` naming its place and value, or None. llguidance 1.9.1 writes a
+    range as a regex of decimal digits in 64-bit integers: a bound of 2^63 or more in size
+    (``"maximum": 1e19``), or a one-sided range from 1e18 up (from -1e18 down), cannot be
+    written. Each schema holding range keywords is compiled with them alone (a number's, or
+    an integer's when that is its only numeric type) to find it; numbers that crashed
+    llguidance never get here (:func:`_finite` refused them)."""
+    if RANGE_FAILED not in message or "range" not in message:
+        return None
+    todo: list[tuple[str, Any]] = [(param, schema)]
+    while todo:
+        where, node = todo.pop(0)
+        if isinstance(node, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        bounds = {key: node[key] for key in RANGE_KEYS
+                  if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool)}
+        if bounds:
+            types = node.get("type")
+            kinds = types if isinstance(types, list) else [types]
+            kind = "integer" if "integer" in kinds and "number" not in kinds else "number"
+            if not _compiles({"type": kind, **bounds}):
+                alone = [key for key in bounds if not _compiles({"type": kind, key: bounds[key]})]
+                key = (alone or list(bounds))[0]
+                return GrammarError(param, f"{where}.{key}={shown(bounds[key])}: a range bound "
+                                           f"llguidance cannot compile ({message}: it writes "
+                                           "a range as a regex of decimal digits in 64-bit "
+                                           "integers, and cannot for a bound of 2^63 or more "
+                                           "in size or a range from 1e18 up or from -1e18 "
+                                           "down with no other bound): give the range both "
+                                           "bounds, each within -9.2e18..9.2e18, or leave "
+                                           "this one out")
+        todo.extend((f"{where}.{key}", item) for key, item in node.items()
+                    if key not in VALUE_KEYS)
+    return None
+
+
+def _checked(grammar: str, tokenizer: Any, param: str, schema: Any = None) -> str:
+    """``grammar`` when llguidance compiles it with ``tokenizer``, else a
+    :class:`GrammarError` (naming the range bound of ``schema`` it could not write, if it was
+    one)."""
     from llguidance import LLMatcher
     error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if error:
-        raise GrammarError(param, f"{param}: llguidance cannot compile it: {messages[0]}")
+        raise (_range_place(schema, param, messages[0])
+               or GrammarError(param, f"{param}: llguidance cannot compile it: {messages[0]}"))
     return grammar
 
 
@@ -632,8 +693,8 @@ def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_t
              else "response_format")
     ll = ll_tokenizer(tok, vocab, end_token, "response_format",
                       f"{response_format.get('type')}")
-    grammar = _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param), ll,
-                              param)
+    grammar = _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param,
+                                       schema), ll, param)
     return Structure(grammar, ll, vocab, end_token)
 
 
@@ -745,8 +806,9 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     arguments: dict[str, str] = {}
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
+        parameters = dict(tool.parameters)
         arguments[tool.name] = _admits_a_value(_checked(_schema_grammar(
-            dict(tool.parameters), param, tool.strict), ll, param), ll, param)
+            parameters, param, tool.strict), ll, param, parameters), ll, param)
     tools = [t for t in setup.tools if not setup.named or t.name == setup.choice]
     if setup.named:
         # as vLLM: the output is the named function's arguments alone (one JSON value), the
@@ -778,8 +840,8 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
             param = ("response_format.json_schema.schema"
                      if response_format["type"] == "json_schema" else "response_format")
             # checked on its own, as without tools (it is written into the grammar below)
-            _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param), ll,
-                            param)
+            _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param,
+                                     schema), ll, param)
             lines.append("answer: %json " + json.dumps(
                 {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
             lines.append("start: answer | calls")
