@@ -86,12 +86,46 @@ def test_a_range_bound_llguidance_cannot_compile_is_a_400_naming_its_place(serve
     assert answer.choices[0].finish_reason in ("stop", "length"), answer
 
 
+@pytest.mark.parametrize("schema,where,what", [
+    pytest.param({"type": "number", "multipleOf": 1e-30}, "multipleOf=1e-30",
+                 "a multipleOf llguidance cannot compile", id="multiple_of_1e-30"),
+    pytest.param(_number("multipleOf", 10 ** 15, "integer"),
+                 "properties.x.multipleOf=1000000000000000",
+                 "a multipleOf llguidance cannot compile", id="integer_multiple_of_1e15"),
+    pytest.param({"type": "object", "properties": {"s": {"type": "string",
+                                                         "maxLength": 2 ** 32}}},
+                 "properties.s.maxLength=4294967296", "a string length llguidance cannot "
+                 "compile", id="max_length_2_to_the_32"),
+    pytest.param({"type": "array", "items": {"type": "string", "minLength": 10 ** 12}},
+                 "items.minLength=1000000000000", "a string length llguidance cannot compile",
+                 id="min_length_1e12"),
+])
+@pytest.mark.parametrize("how", ["response_format", "named_tool"])
+def test_a_multiple_of_or_a_length_llguidance_cannot_compile_is_a_400_naming_its_place(
+        served, schema, where, what, how):
+    """The same for the other numbers llguidance 1.9.1 writes into a regex: a ``multipleOf``
+    of many significant digits was a 400 saying ``Value for 'multipleOf' has too many
+    digits: 10000000000000008`` (1e-30's), no place named; a string length past 2^32-1 was
+    ``regex parse error: (?s:.{0,4294967296}) ... decimal literal invalid``, neither the
+    keyword nor its place named. Now the 400 names both, and the value."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    error = _refused(sdk, schema, how)
+    param = ("response_format.json_schema.schema" if how == "response_format"
+             else "tools.0.function.parameters")
+    assert error["param"] == param, error
+    assert f"{param}.{where}: {what}" in error["message"], error
+    assert "regex parse error" not in error["message"], error
+
+
 @pytest.mark.parametrize("schema", [
     pytest.param({"type": "number", "minimum": 1e18, "maximum": 2e18}, id="both_bounds_1e18"),
     pytest.param({"type": "number", "minimum": -9e18, "maximum": 9e18}, id="both_9e18"),
     pytest.param({"type": "integer", "minimum": 10 ** 18, "maximum": 2 * 10 ** 18},
                  id="integer_both_bounds"),
     pytest.param({"type": "number", "maximum": 9e18}, id="one_sided_max_9e18"),
+    pytest.param({"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
+                 id="multiple_of_a_quarter"),
 ])
 def test_a_range_with_both_bounds_within_2_to_the_63_is_served(served, schema):
     """What the 400 above tells the client to write is served: a value in the range."""

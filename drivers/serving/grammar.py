@@ -568,28 +568,71 @@ def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
 
 #: a schema's range keywords, and the keywords whose value is a JSON value, not a schema
 RANGE_KEYS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+LENGTH_KEYS = ("minLength", "maxLength")
 VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})
-#: how llguidance 1.9.1 says it could not write a number's or an integer's range
-RANGE_FAILED = "Failed to generate regex for"
+#: how llguidance 1.9.1 says it could not write a number a keyword gives (a range, a
+#: ``multipleOf``, a string's length), naming neither the keyword's place nor, for a length,
+#: the keyword
+NUMBER_FAILED = ("Failed to generate regex for", "Value for 'multipleOf'",
+                 "decimal literal invalid")
 
 
-def _compiles(schema: dict[str, Any]) -> bool:
+def _compile_error(schema: dict[str, Any]) -> str | None:
+    """llguidance's message for ``schema`` on its own, or None when it compiles."""
     from llguidance import LLMatcher
     options: Any = JSON_OPTIONS  # llguidance's JsonCompileOptions
     grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
-    return not LLMatcher.validate_grammar_with_warnings(grammar)[0]
+    error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return (messages[0] if messages else "error") if error else None
 
 
-def _range_place(schema: Any, param: str, message: str) -> GrammarError | None:
-    """The range bound of ``schema`` llguidance could not compile (its ``message`` says
-    "Failed to generate regex for float range: min=None, max=Some(1e19)", no place), as a
-    :class:`GrammarError` naming its place and value, or None. llguidance 1.9.1 writes a
-    range as a regex of decimal digits in 64-bit integers: a bound of 2^63 or more in size
-    (``"maximum": 1e19``), or a one-sided range from 1e18 up (from -1e18 down), cannot be
-    written. Each schema holding range keywords is compiled with them alone (a number's, or
-    an integer's when that is its only numeric type) to find it; numbers that crashed
-    llguidance never get here (:func:`_finite` refused them)."""
-    if RANGE_FAILED not in message or "range" not in message:
+def _number_error(node: dict[str, Any], where: str, param: str) -> GrammarError | None:
+    """The keyword of the schema ``node`` whose number llguidance cannot write, or None."""
+    def number(key: str) -> Any:
+        value = node.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    types = node.get("type")
+    kinds = types if isinstance(types, list) else [types]
+    kind = "integer" if "integer" in kinds and "number" not in kinds else "number"
+    bounds = {key: number(key) for key in RANGE_KEYS if number(key) is not None}
+    if bounds and (why := _compile_error({"type": kind, **bounds})) is not None:
+        alone = [key for key in bounds if _compile_error({"type": kind, key: bounds[key]})]
+        key = (alone or list(bounds))[0]
+        return GrammarError(param, f"{where}.{key}={shown(bounds[key])}: a range bound "
+                                   f"llguidance cannot compile ({why}: it writes a range as a "
+                                   "regex of decimal digits in 64-bit integers, and cannot for "
+                                   "a bound of 2^63 or more in size or a range from 1e18 up "
+                                   "or from -1e18 down with no other bound): give the range "
+                                   "both bounds, each within -9.2e18..9.2e18, or leave this "
+                                   "one out")
+    step = number("multipleOf")
+    if step is not None and (why := _compile_error({"type": kind, "multipleOf": step})):
+        return GrammarError(param, f"{where}.multipleOf={shown(step)}: a multipleOf llguidance "
+                                   f"cannot compile ({why}): write one of fewer significant "
+                                   "digits, or leave it out")
+    for key in LENGTH_KEYS:
+        length = number(key)
+        if length is not None and (why := _compile_error({"type": "string", key: length})):
+            return GrammarError(param, f"{where}.{key}={shown(length)}: a string length "
+                                       "llguidance cannot compile (its regex counts a length "
+                                       f"up to 4294967295: {why.splitlines()[-1]}): write a "
+                                       "smaller one, or leave it out")
+    return None
+
+
+def _number_place(schema: Any, param: str, message: str) -> GrammarError | None:
+    """The keyword of ``schema`` whose number llguidance could not write (its ``message``
+    names no place: "Failed to generate regex for float range: min=None, max=Some(1e19)",
+    "Value for 'multipleOf' has too many digits: ...", "regex parse error: (?s:.{0,
+    4294967296}) ... decimal literal invalid"), as a :class:`GrammarError` naming its place
+    and value, or None. llguidance 1.9.1 writes a range as a regex of decimal digits in
+    64-bit integers: a bound of 2^63 or more in size (``"maximum": 1e19``), or a one-sided
+    range from 1e18 up (from -1e18 down), cannot be written; nor a ``multipleOf`` of many
+    significant digits, nor a string length past 2^32-1. Each schema holding such keywords
+    is compiled with them alone to find it (breadth first: the outermost first); numbers
+    that crashed llguidance never get here (:func:`_finite` refused them)."""
+    if not any(text in message for text in NUMBER_FAILED):
         return None
     todo: list[tuple[str, Any]] = [(param, schema)]
     while todo:
@@ -599,23 +642,9 @@ def _range_place(schema: Any, param: str, message: str) -> GrammarError | None:
             continue
         if not isinstance(node, dict):
             continue
-        bounds = {key: node[key] for key in RANGE_KEYS
-                  if isinstance(node.get(key), (int, float)) and not isinstance(node[key], bool)}
-        if bounds:
-            types = node.get("type")
-            kinds = types if isinstance(types, list) else [types]
-            kind = "integer" if "integer" in kinds and "number" not in kinds else "number"
-            if not _compiles({"type": kind, **bounds}):
-                alone = [key for key in bounds if not _compiles({"type": kind, key: bounds[key]})]
-                key = (alone or list(bounds))[0]
-                return GrammarError(param, f"{where}.{key}={shown(bounds[key])}: a range bound "
-                                           f"llguidance cannot compile ({message}: it writes "
-                                           "a range as a regex of decimal digits in 64-bit "
-                                           "integers, and cannot for a bound of 2^63 or more "
-                                           "in size or a range from 1e18 up or from -1e18 "
-                                           "down with no other bound): give the range both "
-                                           "bounds, each within -9.2e18..9.2e18, or leave "
-                                           "this one out")
+        refused = _number_error(node, where, param)
+        if refused is not None:
+            return refused
         todo.extend((f"{where}.{key}", item) for key, item in node.items()
                     if key not in VALUE_KEYS)
     return None
@@ -623,12 +652,12 @@ def _range_place(schema: Any, param: str, message: str) -> GrammarError | None:
 
 def _checked(grammar: str, tokenizer: Any, param: str, schema: Any = None) -> str:
     """``grammar`` when llguidance compiles it with ``tokenizer``, else a
-    :class:`GrammarError` (naming the range bound of ``schema`` it could not write, if it was
-    one)."""
+    :class:`GrammarError` (naming the keyword of ``schema`` whose number it could not write,
+    if that was why)."""
     from llguidance import LLMatcher
     error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     if error:
-        raise (_range_place(schema, param, messages[0])
+        raise (_number_place(schema, param, messages[0])
                or GrammarError(param, f"{param}: llguidance cannot compile it: {messages[0]}"))
     return grammar
 
