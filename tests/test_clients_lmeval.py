@@ -181,3 +181,53 @@ def test_without_a_prefix_token_id_lm_eval_sends_null_which_is_refused_naming_pr
     assert sent and sent[0]["prompt"] == [[None, *tokenizer.encode("abc")]]
     answer = requests.post(f"{url}/v1/completions", json=sent[0], timeout=10)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+
+
+def test_chat_generate_until_stops_where_the_oracles_text_holds_a_stop_string(url):
+    """``local-chat-completions`` (``generate_until``, one request a time): lm-eval sends
+    ``until`` as ``stop`` (its first four) and ``max_gen_toks`` as ``max_tokens``, and takes
+    the message's content as the answer. Each answer is the oracle's greedy continuation of
+    the chat's prompt (the server's own ``/tokenize`` of the messages), cut before the first
+    stop string, one spanning two tokens' text too; none matching: ``max_gen_toks`` tokens."""
+    import requests
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.api_models import JsonChatStr
+    from lm_eval.models.openai_completions import LocalChatCompletion
+
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    prompt = requests.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages,
+                                                    "add_generation_prompt": True},
+                           timeout=10).json()["tokens"]
+    full = tokenizer.decode(oracle_tokens(prompt, 6))
+    boundary = full.index(">")
+    spanning = full[boundary - 1:boundary + 3]  # the end of one token's text, the next's start
+    lm = LocalChatCompletion(model=MODEL, base_url=f"{url}/v1/chat/completions",
+                             max_retries=1, timeout=10)
+    asked = [{"until": [spanning], "max_gen_toks": 6}, {"until": ["\u00ff\u00fe"],
+                                                        "max_gen_toks": 3},
+             {"until": "<", "max_gen_toks": 6}]
+    answers = lm.generate_until([
+        Instance("generate_until", {}, (JsonChatStr(json.dumps(messages)), kwargs), i)
+        for i, kwargs in enumerate(asked)])
+    assert answers == [full.split(spanning)[0], tokenizer.decode(oracle_tokens(prompt, 3)),
+                       ""], (full, answers)
+
+
+def test_a_context_lm_eval_left_truncates_is_scored_as_the_oracle_scores_what_was_sent(url):
+    """A context longer than lm-eval's ``max_length`` is left-truncated by lm-eval (its
+    window, not the server's), batched with one that fits: each score is the oracle's of the
+    tokens lm-eval sent, the continuation after the truncated context."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    lm = LocalCompletionsAPI(model=MODEL, base_url=f"{url}/v1/completions",
+                             tokenizer_backend="remote", max_retries=1, timeout=10,
+                             max_length=17, batch_size=BATCH)  # it keeps 17 - 1 = 16 tokens
+    pairs = [("The quick brown fox jumps over the lazy dog", " again"), ("hi", " there")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                            for i, pair in enumerate(pairs)])
+    for (context, continuation), (score, _) in zip(pairs, got):
+        sent = (tokenizer.encode(context) + tokenizer.encode(continuation))[-16:]
+        kept = len(sent) - len(tokenizer.encode(continuation))
+        assert score == pytest.approx(_oracle_loglikelihood(sent[:kept], sent[kept:]),
+                                      abs=1e-3), (context, score)
