@@ -155,6 +155,9 @@ class ExecutorSnapshot(TypedDict):
     recoveries_dropped: int
     golden: str | None  #: where the generation's golden came from: pinned|config|unpinned
     allow_unpinned_golden: bool
+    #: faults reported to the executor's ``FaultController`` by kind, ``(category, code, raw
+    #: CalRT code or None, count)`` (``FaultController.reported``; empty with another sink)
+    faults_reported: list[tuple[str, str, int | None, int]]
     thread_faults: int  #: exceptions the executor threads' barrier caught (each a fault)
     waiting_for_ready: int  #: requests queued through a recovery (ready_queue_max)
     retired_generations_kept: int  #: released generations whose host memory is still kept

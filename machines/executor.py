@@ -1486,6 +1486,8 @@ class DeviceExecutor(SequenceOwnership):
             "recoveries_dropped": self.life.dropped_recoveries,
             "golden": self.life.golden_source,
             "allow_unpinned_golden": self.config.allow_unpinned_golden,
+            "faults_reported": (self.faults.reported() if isinstance(self.faults, FaultController)
+                                else []),
             "thread_faults": len(self.thread_faults),
             "waiting_for_ready": self.life.ready_waiters,
             "retired_generations_kept": len(self.life.retired),

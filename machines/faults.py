@@ -149,6 +149,8 @@ class FaultController:
         self.manifest_differences: deque[Status] = deque(maxlen=100)
         self.disabled_features: set[str] = set()
         self.counts: dict[Category, int] = {}
+        #: every fault reported, by (category, code, raw CalRT code or None): ``reported()``
+        self._by_kind: dict[tuple[str, str, int | None], int] = {}
         self._transients: deque[float] = deque()
         self._recoveries: deque[float] = deque()
         self._mu = threading.Lock()  # faults_mu (a leaf); ranked once attached
@@ -220,6 +222,8 @@ class FaultController:
         target = self.executor
         with self._mu:
             self.counts[status.category] = self.counts.get(status.category, 0) + 1
+            kind = (status.category.value, status.code, status.raw)
+            self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
             under_way = self._requesting > 0 or (target is not None
                                                  and target.recovery_under_way())
@@ -246,6 +250,14 @@ class FaultController:
                 if requesting:  # it is pending now (or refused: not Ready): the lifecycle says
                     with self._mu:
                         self._requesting -= 1
+
+    def reported(self) -> list[tuple[str, str, int | None, int]]:
+        """Every fault reported so far, by kind: ``(category, code, raw, count)`` sorted, the
+        raw CalRT code None when the Status has none. A fault the executor absorbed (a job
+        resumed after its recovery) is counted here too, where no request failed for it."""
+        with self._mu:
+            return sorted(((category, code, raw, n) for (category, code, raw), n
+                           in self._by_kind.items()), key=lambda k: (k[0], k[1], k[2] or -1))
 
     def _injected(self) -> bool:
         """The runtime's fault plan fired since the last look (the emulator counts the faults

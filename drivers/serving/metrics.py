@@ -31,6 +31,7 @@ calexec_decode_steps_ahead_total            counter    of those, fired with the 
 calexec_decode_burst_jobs_total             counter    jobs taken in decode bursts (greedy, streamed or not)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_relay_submitted_total               counter    jobs inferred from the native relay (serve --native-relay)
+calexec_device_faults_total                 counter    category, code, raw; faults reported to the fault controller
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
 calexec_resumes_total                       counter    cause; generations resumed on a fresh sequence
@@ -126,6 +127,13 @@ class _ExecutorCollector(Collector):
         for outcome in ("ok", "failed"):
             switches.add_metric([outcome], snap.get("model_switches", {}).get(outcome, 0))
         yield switches
+        faults = CounterMetricFamily("calexec_device_faults",
+                                     "Faults reported to the executor's fault controller, by "
+                                     "kind, whether their requests were resumed or failed.",
+                                     labels=["category", "code", "raw"])
+        for category, code, raw, n in snap.get("faults_reported", ()):
+            faults.add_metric([category, code, "none" if raw is None else str(raw)], n)
+        yield faults
         downgrades = CounterMetricFamily("calexec_pingpong_downgrades",
                                          "Automatic Phase B downgrades to in-flight capacity 1.")
         downgrades.add_metric([], snap["downgrades"])
