@@ -61,3 +61,54 @@ def test_a_fault_its_request_survived_is_counted_by_kind(tmp_path, point, rc, co
     assert before == {}, before
     assert faults.get((code, raw), 0) >= 1, faults
     assert _samples(metrics, "calexec_request_failures_total") == {}
+
+
+def _counts(http: httpx.Client) -> tuple[float, float]:
+    """``(calexec_requests_total, success + failures)``."""
+    text = http.get("/metrics").text
+
+    def total(name: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name)
+    return total("calexec_requests_total"), total("calexec_request_success_total") + total(
+        "calexec_request_failures_total")
+
+
+def test_success_and_failures_count_admitted_choices_and_refused_requests(tmp_path):
+    """docs/server.md's unit of the request counters, which said every request ends counted
+    once (a dashboard summing them as requests sent over-counted requests of several
+    choices): an admitted choice is counted once, a request refused before admission once
+    whatever its ``n``; so success + failures rises by what ``calexec_requests_total`` rises
+    by, plus one for a refusal."""
+    executor = chaos_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    bodies = [({"prompt": [1, 2], "max_tokens": 2}, 200, 1, 1),
+              ({"prompt": [1, 2], "max_tokens": 2, "n": 2}, 200, 2, 2),
+              ({"prompt": [[1, 2], [3, 4]], "max_tokens": 2, "n": 2}, 200, 4, 4),
+              ({"prompt": [1, 2], "max_tokens": 2, "n": 2, "temperature": 9}, 400, 0, 1),
+              ({"prompt": [1, 2], "max_tokens": 2, "n": 2, "model": "other"}, 404, 0, 1)]
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            for body, status, admitted, counted in bodies:
+                before = _counts(http)
+                answer = http.post("/v1/completions", json=body)
+                assert answer.status_code == status, answer.text
+                wait_for(lambda: server_idle(service), 20, "the server idle")
+                after = _counts(http)
+                assert (after[0] - before[0], after[1] - before[1]) == (admitted, counted), body
+            # a request of 2 choices whose choice fails: each admitted choice counted once
+            before = _counts(http)
+            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+            failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                        "n": 2})
+            emu.clear_all_faults()
+            assert failed.status_code == 500, failed.text
+            wait_for(lambda: server_idle(service), 20, "the server idle")
+            after = _counts(http)
+            assert after[1] - before[1] == after[0] - before[0] >= 1
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)

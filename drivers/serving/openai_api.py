@@ -1196,8 +1196,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     def refused(err: Refusal) -> Response:
         """A completion or chat request refused: answered and counted in
-        ``calexec_request_failures_total`` (every such request ends counted once, in it or in
-        ``calexec_request_success_total``)."""
+        ``calexec_request_failures_total`` once, whatever its choices (an admitted request
+        counts each of its choices once, in it or in ``calexec_request_success_total``)."""
         return fail(err.status, err.param, err.http_status, headers=err.headers)
 
     def answered(err: Refusal) -> Response:
