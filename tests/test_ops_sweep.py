@@ -232,10 +232,13 @@ def test_a_send_to_a_client_that_left_stops_the_sibling_of_a_replica_relay():
 
 
 def serve_process(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
-    """``calexec serve`` on a free loopback port, ready (bounded: 30 s); the caller kills it."""
+    """``calexec serve`` on a free loopback port, ready (bounded: 30 s); the caller kills it.
+    ``--log-level warning`` unless ``args`` give one (a flag given twice with different values
+    is refused since stop 62)."""
     port = free_port()
+    level = [] if "--log-level" in args else ["--log-level", "warning"]
     proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
-                             "--log-level", "warning", *args],
+                             *level, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ}, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
