@@ -137,10 +137,13 @@ class Parser(argparse.ArgumentParser):
     """One-line errors with suggestions; exit 2 through ``SystemExit`` as argparse does.
 
     A flag that takes one value (``--port N``, ``--host H``, a switch and its ``--no-``
-    form) given twice with different values is refused, naming the flag and both values
-    (argparse keeps the last: a wrapper script appending ``--port 2`` to a command line that
-    says ``--port 1`` silently overrode it); the same value twice is taken, and a flag that
-    collects (``action="append"``, ``"count"``, ...) may be repeated as before.
+    form) given twice with different values takes the last, as argparse and every
+    argparse-based server (vLLM's, uvicorn's) do: a wrapper script that puts its defaults
+    first and the caller's arguments after relies on it. It is no longer silent: one
+    warning line on stderr names the flag, both values and the one taken (until stop 62
+    ``--host 127.0.0.1 ... --host 0.0.0.0`` bound every interface without a word). The same
+    value twice, and a flag that collects (``action="append"``, ``"count"``, ...), say
+    nothing.
     """
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
@@ -162,12 +165,15 @@ class Parser(argparse.ArgumentParser):
             actions = [a for a in self._actions if a.dest == dest and a.option_strings]
             if not actions or any(isinstance(a, collecting) for a in actions):
                 continue
-            for value in values[1:]:
-                if value != values[0]:
-                    flags = "/".join(next((o for o in a.option_strings if o.startswith("--")),
-                                          a.option_strings[0]) for a in actions)
-                    self.error(f"{flags} given twice with different values "
-                               f"({_shown(values[0])}, then {_shown(value)}): give it once")
+            if any(value != values[0] for value in values[1:]):
+                flags = "/".join(next((o for o in a.option_strings if o.startswith("--")),
+                                      a.option_strings[0]) for a in actions)
+                shown = ", then ".join(_shown(value) for value in values)
+                times = "twice" if len(values) == 2 else f"{len(values)} times"
+                warning = (f"{flags} given {times} with different values "
+                           f"({shown}): the last, {_shown(values[-1])}, is taken")
+                sys.stderr.write(f"{self.prog}: warning: "
+                                 f"{warning.translate(_CONTROL_ESCAPES)}\n")
         result = argparse.Namespace(**{k: v for k, v in vars(given).items()
                                         if k not in ("given_", "armed_")})
         return result, extras
