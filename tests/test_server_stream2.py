@@ -31,39 +31,49 @@ def _idle(service) -> bool:
             and service.releases_pending == 0)
 
 
+def _choices_waiting(service) -> float | None:
+    """The choices held waiting for their client to take chunks, as the metrics say."""
+    return metric_value(service.metrics.exposition().decode(), "calexec_stream_choices_waiting")
+
+
+#: the stalled request's timeout: the choices fill the socket buffers and their queue well
+#: before it on a loaded host (some 100 tokens each), and are held from then until its cut
+STALLED_TIMEOUT_S = 10
+
+
 def test_a_client_that_stops_reading_an_n2_stream_holds_the_generation_back(tmp_path):
     """A stream of several choices (``n`` > 1) queued every choice's chunks for the sender
     without bound: a client that stopped reading left the choices generating to the end (a
     whole response, up to ``max_choices`` x the context, held in memory for nobody until the
     deadline). The queue is now bounded: the choices wait for the client as one choice's
-    stream does, and the cut at the deadline gives everything back."""
+    stream does (``calexec_stream_choices_waiting`` counts them), and the cut at the deadline
+    gives everything back."""
     executor = started_executor(tmp_path)
     app = create_app(executor, ServerConfig())
     service = app.state.service
-    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "n": 2, "stream": True, "timeout": 4}
+    body = {"prompt": [1, 2, 3], "max_tokens": 3000, "n": 2, "stream": True,
+            "timeout": STALLED_TIMEOUT_S}
     try:
         with ServeLikeServer(app, small_buffers=True) as server:
             sent = time.monotonic()
             sock = stalled_client(server.port, body)
             try:
+                deadline = sent + STALLED_TIMEOUT_S
                 wait_for(lambda: service.sends.waiting == 1, what="the server's send stalled",
-                         timeout=3)
-                # the choices come to stand still (they made some 230 steps a second each
-                # before the bound): no job for half a second, well before the deadline cut
-                # (which would stop them too); unbounded, they never stand still before it
-
-                def standing_still() -> bool:
-                    before = executor.snapshot()["succeeded"]
-                    time.sleep(0.5)
-                    return executor.snapshot()["succeeded"] == before
-                wait_for(standing_still, what="the choices standing still, waiting for room",
-                         timeout=max(0.0, sent + 4 - 1.0 - time.monotonic()))
+                         timeout=max(0.0, deadline - time.monotonic()))
+                # both choices come to wait for room (held from then until the cut at the
+                # deadline + slack, so this wait may use the whole timeout); unbounded, they
+                # never wait: they generate on until the cut
+                wait_for(lambda: _choices_waiting(service) == 2,
+                         what="both choices held, waiting for room",
+                         timeout=max(0.0, deadline - time.monotonic()))
                 assert service.active == 2
                 wait_for(lambda: _idle(service), what="the stalled stream cut and freed",
-                         timeout=sent + 4 + service.config.deadline_slack_s + 10
+                         timeout=deadline + service.config.deadline_slack_s + 10
                          - time.monotonic())
                 counts = service.sequences.counts()
                 assert counts["free"] == counts["capacity"], counts
+                assert _choices_waiting(service) == 0  # the cut ended their wait
                 data, ended = read_until_closed(sock)
                 assert ended in ("eof", "reset") and b"data: [DONE]" not in data, ended
             finally:
@@ -84,8 +94,9 @@ def test_a_client_that_closes_a_stalled_n2_stream_frees_its_choices_at_once(tmp_
                                                 "n": 2, "stream": True, "timeout": 60})
             try:
                 wait_for(lambda: service.sends.waiting == 1, what="the server's send stalled",
-                         timeout=5)
-                time.sleep(0.3)  # (the choices now wait for room)
+                         timeout=30)
+                wait_for(lambda: _choices_waiting(service) == 2,
+                         what="both choices held, waiting for room", timeout=30)
                 assert service.active == 2
             finally:
                 sock.close()
@@ -93,6 +104,7 @@ def test_a_client_that_closes_a_stalled_n2_stream_frees_its_choices_at_once(tmp_
                      timeout=10)
             text = service.metrics.exposition().decode()
             assert metric_value(text, "calexec_kv_sequences_in_use") == 0
+            assert metric_value(text, "calexec_stream_choices_waiting") == 0
     finally:
         executor.shutdown(5.0)
 

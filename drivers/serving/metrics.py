@@ -50,6 +50,7 @@ calexec_kv_sequences_withheld               gauge      sequence ids withheld aft
 calexec_kv_sequences_capacity               gauge      sequence ids owned (= free + in use + withheld)
 calexec_kv_cache_usage_perc                 gauge      KV blocks reserved / KvManager capacity (0..1)
 calexec_responses_send_waiting              gauge      streamed responses waiting for their client
+calexec_stream_choices_waiting              gauge      choices of n > 1 streams waiting for room
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
@@ -203,6 +204,9 @@ _SERVER_GAUGE_HELP = {
                                    "generation / the KvManager's capacity (0..1).",
     "calexec_responses_send_waiting": "Streamed responses whose send waits for the client to "
                                       "read (cut at the request's deadline + slack).",
+    "calexec_stream_choices_waiting": "Choices of streamed requests of several choices whose "
+                                      "next chunk waits for the client to take the ones "
+                                      "queued (STREAM_AHEAD a choice).",
 }
 
 
@@ -410,8 +414,8 @@ class ServerMetrics:
                  dump_counts: Callable[[], dict[str, int]] | None = None) -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
         ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
-        ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting`` and
-        ``calexec_server_draining`` gauges.
+        ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting``,
+        ``calexec_stream_choices_waiting`` and ``calexec_server_draining`` gauges.
         ``model_name`` labels the request counters and token histograms (vLLM's label).
         ``names``: "vllm" adds the ``vllm:`` families (:class:`VllmMetrics`, ``self.vllm``;
         None otherwise), ``cache_info`` giving the labels of ``vllm:cache_config_info``.

@@ -1093,8 +1093,11 @@ def choice_seed(seed: int | None, k: int) -> int | None:
 class _Choices:
     """The shared state of a request of several choices (``_generate_many``)."""
 
-    def __init__(self, n: int, count: int, response_id: str, x_request_id: str) -> None:
+    def __init__(self, n: int, count: int, response_id: str, x_request_id: str,
+                 service: CompletionService) -> None:
         self.n = n
+        #: counts the choices waiting for room (``calexec_stream_choices_waiting``)
+        self._service = service
         self.id, self.created = response_id, int(time.time())
         #: the response's ``x-request-id`` (each choice's dump record names it)
         self.x_request_id = x_request_id
@@ -1140,10 +1143,16 @@ class _Choices:
         return True
 
     async def put(self, chunk: dict[str, Any]) -> None:
-        """Queue a stream's chunk, once there is room (the sender took enough)."""
-        while self.events.qsize() >= self.room:
-            self._taken.clear()
-            await self._taken.wait()
+        """Queue a stream's chunk, once there is room (the sender took enough); a choice
+        waiting for room is counted in ``service.stream_choices_waiting``."""
+        if self.events.qsize() >= self.room:
+            self._service.stream_choices_waiting += 1
+            try:
+                while self.events.qsize() >= self.room:
+                    self._taken.clear()
+                    await self._taken.wait()
+            finally:  # (a cut or a disconnect cancels the wait)
+                self._service.stream_choices_waiting -= 1
         self.events.put_nowait(chunk)
 
     async def take(self) -> dict[str, Any] | None:
@@ -1612,7 +1621,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
         deadline = time.monotonic() + timeout  # the request's: every choice ends by it
-        state = _Choices(n, len(specs), response_id, wire.request_id(request.scope))
+        state = _Choices(n, len(specs), response_id, wire.request_id(request.scope),
+                         service)
         if resume is not None and resume.created is not None:
             state.created = resume.created
         if resume is not None:

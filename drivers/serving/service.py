@@ -712,6 +712,10 @@ class CompletionService:
         #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
         #: cuts the ones still waiting when its grace is over
         self.sends = wire.SendBounds()
+        #: choices of streamed requests of several choices whose next chunk waits for room
+        #: (the request's queue of ``STREAM_AHEAD`` chunks a choice is full: its client reads
+        #: slower than they generate): ``calexec_stream_choices_waiting``. Event-loop only
+        self.stream_choices_waiting = 0
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
@@ -757,7 +761,8 @@ class CompletionService:
                 "calexec_kv_sequences_capacity": counts["capacity"],
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
                 "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
-                "calexec_responses_send_waiting": self.sends.waiting}
+                "calexec_responses_send_waiting": self.sends.waiting,
+                "calexec_stream_choices_waiting": self.stream_choices_waiting}
 
     def _cache_info(self) -> dict[str, str]:
         """``vllm:cache_config_info``'s labels: the KV block size and capacity in blocks of the
