@@ -31,6 +31,7 @@ from executor_harness import (
     write_calbin,
 )
 from executor_harness import running_job_path as running_executor
+from thread_starts import OwnCpu
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
@@ -110,18 +111,23 @@ def test_fi03_slice_beyond_bytesize_rejected_locally(calbin):
 
 
 def test_fi04_kv_shortage_waits_on_condition_until_deadline(calbin):
+    own = OwnCpu()  # the executor's threads and this one, not those other tests left
     with running_executor(calbin) as ex:
         arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")
-        applies = ex.kvc.apply_calls
-        cpu0, wall0 = time.process_time(), time.monotonic()
+        applies, wakeups = ex.kvc.apply_calls, ex.kvc.wakeups
+        cpu0, wall0 = own.now(), time.monotonic()
         res = ex.enqueue(prefill(1, PROMPT, seconds=0.4)).wait_until(deadline())
-        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        cpu, wall = own.spent(cpu0, own.now()), time.monotonic() - wall0
         assert isinstance(res, Status) and res.code == "kv.deadline" and res.http_status == 429
-        assert wall >= 0.35
-        # no polling: canAllocate asked once, Apply never called, no wake-ups happened
+        assert wall >= 0.35  # (a floor: the wait lasted to its deadline)
+        # no polling: canAllocate asked once, Apply never called, one wait (its deadline
+        # ended it: no wake-up before)
         assert fired(ex, "CAN_ALLOCATE_FALSE") == 1
         assert ex.kvc.apply_calls == applies
-        assert cpu < wall  # an idle wait; a busy loop would burn the whole interval
+        assert ex.kvc.wakeups == wakeups + 1
+        # an idle wait: the own threads' CPU is what the enqueue took, a busy loop would burn
+        # the whole interval (a load only takes CPU from them; others' threads not counted)
+        assert cpu < wall / 2, (cpu, wall)
         assert slot_states(ex)["Free"] == len(ex.pool.slots)
 
 
