@@ -51,6 +51,7 @@ calexec_kv_sequences_capacity               gauge      sequence ids owned (= fre
 calexec_kv_cache_usage_perc                 gauge      KV blocks reserved / KvManager capacity (0..1)
 calexec_responses_send_waiting              gauge      streamed responses waiting for their client
 calexec_stream_choices_waiting              gauge      choices of n > 1 streams waiting for room
+calexec_stream_bursts_waiting               gauge      streamed decode bursts waiting for room
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
@@ -207,6 +208,8 @@ _SERVER_GAUGE_HELP = {
     "calexec_stream_choices_waiting": "Choices of streamed requests of several choices whose "
                                       "next chunk waits for the client to take the ones "
                                       "queued (STREAM_AHEAD a choice).",
+    "calexec_stream_bursts_waiting": "Streamed decode bursts whose thread waits for the "
+                                     "loop to send the STREAM_AHEAD tokens it took ahead.",
 }
 
 
@@ -415,7 +418,8 @@ class ServerMetrics:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
         ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
         ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting``,
-        ``calexec_stream_choices_waiting`` and ``calexec_server_draining`` gauges.
+        ``calexec_stream_choices_waiting``, ``calexec_stream_bursts_waiting`` and
+        ``calexec_server_draining`` gauges.
         ``model_name`` labels the request counters and token histograms (vLLM's label).
         ``names``: "vllm" adds the ``vllm:`` families (:class:`VllmMetrics`, ``self.vllm``;
         None otherwise), ``cache_info`` giving the labels of ``vllm:cache_config_info``.

@@ -716,6 +716,8 @@ class CompletionService:
         #: (the request's queue of ``STREAM_AHEAD`` chunks a choice is full: its client reads
         #: slower than they generate): ``calexec_stream_choices_waiting``. Event-loop only
         self.stream_choices_waiting = 0
+        self._bursts_waiting = 0  # (stream_bursts_waiting; burst threads, under the lock)
+        self._bursts_waiting_mu = threading.Lock()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
@@ -762,7 +764,8 @@ class CompletionService:
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
                 "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
                 "calexec_responses_send_waiting": self.sends.waiting,
-                "calexec_stream_choices_waiting": self.stream_choices_waiting}
+                "calexec_stream_choices_waiting": self.stream_choices_waiting,
+                "calexec_stream_bursts_waiting": self.stream_bursts_waiting}
 
     def _cache_info(self) -> dict[str, str]:
         """``vllm:cache_config_info``'s labels: the KV block size and capacity in blocks of the
@@ -1180,15 +1183,17 @@ class CompletionService:
         if wake is not None and run.burst_loop is not None:
             run.burst_loop.call_soon_threadsafe(_resolve, wake)
 
-    @staticmethod
-    def _room(run: RequestRun) -> bool:
+    def _room(self, run: RequestRun) -> bool:
         """(Burst thread, ``run.mu`` held.) Wait while a streamed burst holds
         ``STREAM_AHEAD`` tokens the loop has not taken, until it took half of them: True;
         False when the request ended, the loop cut the burst or the deadline came first
-        (the burst commits nothing more)."""
+        (the burst commits nothing more). A waiting burst is counted in
+        :attr:`stream_bursts_waiting`."""
         if len(run.burst) < STREAM_AHEAD:
             return True
         run.burst_paused = True
+        with self._bursts_waiting_mu:
+            self._bursts_waiting += 1
         try:
             while len(run.burst) > STREAM_AHEAD // 2:
                 if run.closed or run.burst_cut:
@@ -1199,7 +1204,15 @@ class CompletionService:
                 run.burst_room.wait(remaining)
         finally:
             run.burst_paused = False
+            with self._bursts_waiting_mu:
+                self._bursts_waiting -= 1
         return not (run.closed or run.burst_cut)
+
+    @property
+    def stream_bursts_waiting(self) -> int:
+        """Streamed decode bursts whose thread waits for room: ``STREAM_AHEAD`` tokens the
+        loop has not sent wait before them (``calexec_stream_bursts_waiting``)."""
+        return self._bursts_waiting
 
     def _burst(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
         """Worker thread: run ``run``'s jobs one after the other as the plain path runs them
