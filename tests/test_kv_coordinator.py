@@ -74,14 +74,16 @@ FINISHED = _Finished()
 
 
 class WatchedClock(Clock):
-    """The system's clock, telling which threads entered one of its condition waits: a test
-    waits for that instead of sleeping and hoping the other thread got there."""
+    """The system's clock, telling which threads entered one of its condition waits, and
+    which wait to acquire one of its locks held by another thread: a test waits for that
+    instead of sleeping and hoping the other thread got there."""
 
-    __slots__ = ("entered", "waited")
+    __slots__ = ("entered", "waited", "blocked")
 
     def __init__(self) -> None:
         self.entered = threading.Condition()
         self.waited: set[threading.Thread] = set()
+        self.blocked: set[threading.Thread] = set()  # waiting for a lock now
 
     def wait(self, cond: threading.Condition, timeout: float | None) -> bool:
         with self.entered:
@@ -89,10 +91,56 @@ class WatchedClock(Clock):
             self.entered.notify_all()
         return super().wait(cond, timeout)
 
+    def lock(self) -> threading.Lock:
+        return WatchedLock(self)  # type: ignore[return-value]
+
+
+class WatchedLock:
+    """A lock of a :class:`WatchedClock`: a thread that finds it held is in the clock's
+    ``blocked`` until it has it."""
+
+    def __init__(self, clock: WatchedClock) -> None:
+        self._clock, self._lock = clock, threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if self._lock.acquire(False):
+            return True
+        if not blocking:
+            return False
+        me, clock = threading.current_thread(), self._clock
+        with clock.entered:
+            clock.blocked.add(me)
+            clock.entered.notify_all()
+        try:
+            return self._lock.acquire(True, timeout)
+        finally:
+            with clock.entered:
+                clock.blocked.discard(me)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
 
 def coordinator(capacity_blocks: int | None = None) -> tuple[KvCoordinator, GatedKv]:
     kv = GatedKv(capacity_blocks)
     return KvCoordinator(kv, 1, LockOrder(checking=True, strict=True, clock=WatchedClock())), kv
+
+
+def blocked(kvc: KvCoordinator, thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits (within 10 s) to acquire a lock of ``kvc``'s clock that
+    another thread holds."""
+    clock = kvc.clock
+    with clock.entered:
+        return clock.entered.wait_for(lambda: thread in clock.blocked, 10)
 
 
 def parked(kvc: KvCoordinator, thread: threading.Thread) -> bool:
@@ -200,8 +248,7 @@ def test_close_waits_for_a_kv_call_in_progress_and_fences_every_later_one():
     resetting, reset_result = in_thread(lambda: kvc.reset_sequence(1))
     assert kv.entered.wait(5)  # inside KvManager release
     closing, _ = in_thread(kvc.close)
-    time.sleep(0.05)
-    assert closing.is_alive()  # close() waits for the call in progress ...
+    assert blocked(kvc, closing) and closing.is_alive()  # close() waits for the call ...
     kv.gate.set()
     closing.join(5)
     resetting.join(5)
