@@ -181,8 +181,12 @@ def test_bench_reports_both_forms(capsys):
     assert result["iters"] == 3 and result["transitions_per_job"] == 12
     for key in ("per_job_chart_us_p50", "per_job_chart_us_p99", "statemachine_us_p50"):
         assert result[key] > 0
-    ratio = result["statemachine_us_p50"] / result["per_job_chart_us_p50"]
-    assert result["speedup_p50"] == pytest.approx(ratio, rel=0.02)
+    # the product's round(B / P, 1) of the p50s it measured, which it reports rounded to
+    # 0.01 us (b, p): off by the rounding to 0.1 and the inputs' at most (a fixed 2 % was
+    # less than the rounding alone when a loaded host makes the speedup small, 1.25 say)
+    b, p = result["statemachine_us_p50"], result["per_job_chart_us_p50"]
+    slack = 0.05 + (b + 0.005) / (p - 0.005) - b / p
+    assert abs(result["speedup_p50"] - b / p) <= slack, (result, slack)
 
 
 def test_a_guard_defined_on_the_chart_class_is_found_by_the_compiled_run():
