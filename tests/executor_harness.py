@@ -43,15 +43,17 @@ def write_calbin(directory: Path) -> str:
     return str(path)
 
 
-def make_executor(calbin_path: str, device_config: str = "", fault_sink=None,
+def make_executor(calbin_path: str, device_config: str = "", fault_sink=None, clock=None,
                   **config) -> DeviceExecutor:
     """A started executor (asserts start succeeded). ``fault_sink``: None gives the real
-    FaultController; job-path tests pass a ``RecordingFaultSink`` so no recovery runs."""
+    FaultController; job-path tests pass a ``RecordingFaultSink`` so no recovery runs.
+    ``clock``: the executor's (None: the system's)."""
     config.setdefault("check_lock_order", True)
     config.setdefault("strict_lock_order", False)
     executor = DeviceExecutor(CalRT.load(), MANIFEST,
                               ExecutorConfig(calbin_path=calbin_path, device_config=device_config,
-                                             **config), fault_sink=fault_sink)
+                                             **config), fault_sink=fault_sink,
+                              **({} if clock is None else {"clock": clock}))
     status = executor.start()
     assert status.ok, status
     return executor

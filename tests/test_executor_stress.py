@@ -41,6 +41,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.calrt.runtime import Fault
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import oracle
+from calexec.machines.clock import Clock
 from calexec.machines.faults import RecordingFaultSink
 from calexec.machines.job import InferenceResult, JobHandle, job_of
 from executor_harness import (
@@ -291,6 +292,53 @@ def job_path_executor(calbin: str, device_config: str, **config):
                          check_lock_order=True, **config)
 
 
+class ParkedClock(Clock):
+    """The system's clock whose KV condition tells which threads wait in it now and whether
+    a notify reached each since it began to wait: woken, a thread counts its wake-up only
+    when it runs, which a loaded host may delay past any sleep; parked and not woken, it
+    counts none until the next notify."""
+
+    __slots__ = ("mu", "parked")
+
+    def __init__(self) -> None:
+        self.mu = threading.Lock()
+        self.parked: dict[threading.Thread, bool] = {}  # waiting now -> notified since
+
+    def condition(self, lock, name: str = "") -> threading.Condition:
+        if name != "kv":
+            return super().condition(lock, name)
+        return ParkingCondition(self, lock)
+
+    def settled(self, threads: list[threading.Thread]) -> bool:
+        """Every one of ``threads`` waits in the KV condition, none notified since."""
+        with self.mu:
+            return all(self.parked.get(t) is False for t in threads)
+
+
+class ParkingCondition(threading.Condition):
+    """A condition of a :class:`ParkedClock`: records its waiting threads there."""
+
+    def __init__(self, clock: ParkedClock, lock) -> None:
+        super().__init__(lock)
+        self.watch = clock
+
+    def wait(self, timeout: float | None = None) -> bool:
+        me, watch = threading.current_thread(), self.watch
+        with watch.mu:
+            watch.parked[me] = False
+        try:
+            return super().wait(timeout)
+        finally:
+            with watch.mu:
+                watch.parked.pop(me, None)
+
+    def notify(self, n: int = 1) -> None:  # (notify_all calls it) the caller holds the lock
+        with self.watch.mu:
+            for thread in self.watch.parked:
+                self.watch.parked[thread] = True  # (woken, or may be: at most n of them)
+        super().notify(n)
+
+
 def fix_mmap_threshold() -> None:
     """Pin glibc's mmap threshold so freed large arrays go back to the OS at once: RSS then
     reflects live memory (drivers/memory.py explains the measurement)."""
@@ -527,7 +575,8 @@ def kv_waiter(ex, seq: int, results: list) -> None:
 
 def test_kv_pressure_waiters_block_idle_and_all_finish(calbin):
     own = OwnCpu()  # the executor's threads, the waiters and this one; not others' threads
-    ex = job_path_executor(calbin, KV_CONFIG, slots_per_kind=3)
+    clock = ParkedClock()
+    ex = job_path_executor(calbin, KV_CONFIG, slots_per_kind=3, clock=clock)
     pool = ex.pool
     try:
         for seq in HOLDERS:
@@ -542,11 +591,12 @@ def test_kv_pressure_waiters_block_idle_and_all_finish(calbin):
             time.sleep(0.005)
         assert ex.kvc.waiting == len(WAITERS)  # all blocked in reserve
         # each waiter joining the KV queue woke the others once (the head retries: its "no"
-        # may have been transient); let those wake-ups settle (bounded) before the idle phase
-        wakeups = -1
-        while ex.kvc.wakeups != wakeups and time.monotonic() < end:
-            wakeups = ex.kvc.wakeups
-            time.sleep(0.05)
+        # may have been transient); wait (bounded) until every one waits again, not woken
+        # since: those wake-ups are all counted then (a quiet 50 ms said so only on a quiet
+        # host: a woken waiter the host had not run yet counted its wake-up after it)
+        while not clock.settled(waiters) and time.monotonic() < end:
+            time.sleep(0.005)
+        assert clock.settled(waiters), "the KV waiters never settled"
         # Everybody is blocked and nothing is released: an idle phase.
         wakeups, applies = ex.kvc.wakeups, ex.kvc.apply_calls
         cpu0, wall0 = own.now(), time.monotonic()
