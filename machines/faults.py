@@ -148,7 +148,6 @@ class FaultController:
         self.decisions: deque[Decision] = deque(maxlen=1000)
         self.manifest_differences: deque[Status] = deque(maxlen=100)
         self.disabled_features: set[str] = set()
-        self.counts: dict[Category, int] = {}
         #: every fault reported, by (category, code, raw CalRT code or None): ``reported()``
         self._by_kind: dict[tuple[str, str, int | None], int] = {}
         self._transients: deque[float] = deque()
@@ -221,7 +220,6 @@ class FaultController:
         injected = self._injected()  # before the lock: it asks the runtime
         target = self.executor
         with self._mu:
-            self.counts[status.category] = self.counts.get(status.category, 0) + 1
             kind = (status.category.value, status.code, status.raw)
             self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
