@@ -28,7 +28,7 @@ import re
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -474,11 +474,11 @@ def anchored(pattern: str) -> str:
     return pattern if depth or in_class else f"^(?:{pattern})$"
 
 
-def _anchored_keys(properties: Mapping[str, Any], close: Any = None) -> dict[str, Any]:
+def _anchored_keys(properties: Mapping[str, Any],
+                   close: Callable[[Any], Any]) -> dict[str, Any]:
     """``patternProperties`` with each key anchored: xgrammar matches a key's pattern against
     the whole key, as it does a ``pattern`` (two keys never anchor alike); each subschema
-    through ``close`` (:func:`closed_schema`'s)."""
-    close = close or closed_schema
+    through ``close`` (the rewrite's own :meth:`_Closer.closed`)."""
     return {anchored(key): close(sub) for key, sub in properties.items()}
 
 
