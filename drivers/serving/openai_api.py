@@ -1190,9 +1190,25 @@ class _Choices:
 
 
 # ---- routes ---------------------------------------------------------------------------------
-def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]) -> None:
+@attrs.frozen
+class ChatPath:
+    """The chat route's pipeline, for a route that answers through it (the Responses API,
+    drivers/serving/responses_api.py): ``read(request, model)`` the checked body of a
+    generation (auth, media type, size, the served model) or :class:`Refusal`;
+    ``answer(request, chat_body, response_id, prompt_param, max_tokens_param)`` the chat's
+    answer to it, as ``/v1/chat/completions`` gives it; ``refused(err)`` a refusal's error response, counted
+    as a failed request; ``answered(err)`` one that is no generation's, not counted."""
+
+    read: Callable[[Request, type[Any]], Coroutine[Any, Any, Any]]
+    answer: Callable[..., Coroutine[Any, Any, Response]]
+    refused: Callable[[Refusal], Response]
+    answered: Callable[[Refusal], Response]
+
+
+def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]
+               ) -> ChatPath:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
-    and counts an error)."""
+    and counts an error); the chat pipeline, for the routes built on it."""
 
     config = service.config
 
@@ -1386,6 +1402,18 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         response_id = new_response_id(request, _ChatShape.PREFIX)
         try:
             body = await read(request, ChatRequest, admits=True)
+        except Refusal as err:
+            return refused(err)
+        return await chat_answer(request, body, response_id)
+
+    async def chat_answer(request: Request, body: ChatRequest, response_id: str,
+                          prompt_param: str = "messages", max_tokens_param: str | None = None
+                          ) -> Response:
+        """The answer to the chat ``body`` (read and checked by :func:`parse`): its JSON, its
+        stream (a ``wire.BoundedStreamingResponse``), or its error (counted). ``prompt_param``
+        and ``max_tokens_param``: the fields an admission's refusal names (a route that
+        translated its own body into ``body`` names its own; None: the chat field given)."""
+        try:
             refusal(body)
             top = body.top_logprobs
             # 0 without logprobs asks for nothing (vLLM takes it): only more is refused
@@ -1416,10 +1444,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             wanted = body.max_completion_tokens or body.max_tokens or chat_default(len(ids))
         except Refusal as err:
             return refused(err)
-        admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param="messages",
-                              max_tokens_param="max_completion_tokens" if body.max_tokens
-                              is None and body.max_completion_tokens is not None
-                              else "max_tokens")
+        admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param=prompt_param,
+                              max_tokens_param=max_tokens_param or (
+                                  "max_completion_tokens" if body.max_tokens is None
+                                  and body.max_completion_tokens is not None else "max_tokens"))
 
         def chat_shape() -> _Shape:
             shape = (_ToolChatShape(plan.tools, plan.named,
@@ -1433,6 +1461,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return await _generate_many(
             request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
                       for j in range(body.n)], body.n, params, include_usage(body), response_id)
+
+    async def read_body(request: Request, model: type[Body]) -> Body:
+        """:func:`read` of a generation's body (``admits``), for a route of its own module."""
+        return await read(request, model, admits=True)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -1899,6 +1931,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             events(), service.sends, lambda: run.deadline + config.deadline_slack_s,
             lambda: service.cut(run), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"})
+
+    return ChatPath(read_body, chat_answer, refused, answered)
 
 
 class TokenizeRequest(BaseModel):
