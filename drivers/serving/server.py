@@ -2,7 +2,8 @@
 
 ``create_app(executor, config, dump)`` builds the app around an executor that is already
 started; ``CompletionService`` (``app.state.service``, drivers/serving/service.py) does the
-work; the routes live in ``openai_api.py`` (completions, chat, models, tokenize), ``admin.py``
+work; the routes live in ``openai_api.py`` (completions, chat, models, tokenize),
+``responses_api.py`` (the Responses API, on the chat path), ``admin.py``
 and ``debug.py``, error bodies in ``error_bodies.py``; ``DrainingServer`` is the
 uvicorn server whose SIGTERM/SIGINT starts a drain instead of an immediate stop. docs/server.md
 is the reference for endpoints, errors, metrics and the tokenizer.
@@ -42,7 +43,7 @@ from calexec import __version__
 from calexec.contracts.errors import Category
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving import error_bodies, openai_api, wire
+from calexec.drivers.serving import error_bodies, openai_api, responses_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
@@ -214,7 +215,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     add_admin_routes(app, service)
     add_debug_routes(app, service)
-    openai_api.add_routes(app, service, fail)
+    chat_path = openai_api.add_routes(app, service, fail)
+    responses_api.add_routes(app, service, chat_path)
     head_with_get(app)
 
     return app

@@ -1,0 +1,618 @@
+"""OpenAI's Responses API, ``POST /v1/responses``, on the chat path (docs/server.md,
+"Responses API").
+
+A Responses body is translated into a chat body (``input`` items -> ``messages``,
+``instructions`` -> a system message first, ``max_output_tokens`` -> ``max_completion_tokens``,
+``text.format`` -> ``response_format``, the flat function tools -> chat's), answered by
+``/v1/chat/completions``' own pipeline (openai_api.ChatPath: admission, deadlines,
+structured outputs, tools, cancellation, metrics, errors), and its answer translated back: the
+chat completion into a Response object, the chat stream into the Responses' semantic events
+(``response.created`` ... ``response.completed``, each with its ``sequence_number``), a chat
+error into the same OpenAI error with the Responses' field named in ``param``.
+
+Nothing is stored: ``store`` is accepted (OpenAI's default is true) and nothing is kept, so
+``previous_response_id``, ``conversation`` and ``background`` are refused, and
+``GET``/``DELETE /v1/responses/{id}`` answer 404 naming the id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.serving import wire
+from calexec.drivers.serving.openai_api import (
+    ChatPath,
+    ChatRequest,
+    Number,
+    Refusal,
+    auth_refusal,
+    invalid,
+    parse,
+)
+from calexec.drivers.serving.service import CompletionService
+
+#: ``input`` message roles (a ``tool`` answer is a ``function_call_output`` item)
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+#: the keys of each input item kind (the SDK sends an output item back as it got it)
+ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
+             "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+             "function_call_output": {"type", "id", "call_id", "output", "status"}}
+#: text parts of a message's content (an assistant's as the server sent them: annotations,
+#: logprobs, and the SDK's ``parsed`` of responses.parse, all ignored)
+TEXT_PARTS = ("input_text", "output_text")
+NOTHING_STORED = ("this server stores no responses (store is accepted, nothing is kept): "
+                  "send the whole conversation in input")
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``. Unknown fields are refused, as chat's are; the fields this
+    server cannot honour are declared ``Any`` and refused (400 naming them) unless neutral
+    (:func:`unsupported`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None  # echoed, kept nowhere
+    user: StrictStr | None = None
+    store: StrictBool | None = None  # accepted: nothing is stored
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: none is added
+    service_tier: StrictStr | None = None  # one tier: echoed as "default"
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None
+    truncation: StrictStr | None = None  # "disabled" only
+    timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
+    seed: StrictInt | None = None  # vLLM's extension
+    # refused unless neutral (``unsupported``)
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    reasoning: Any = None
+    include: Any = None
+    prompt: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    context_management: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required())}
+
+
+def refuse(message: str, param: str) -> Refusal:
+    return Refusal(invalid(message), param)
+
+
+def unsupported(body: ResponsesRequest) -> None:
+    """:class:`Refusal` for the first field this server cannot honour."""
+    if body.previous_response_id is not None:
+        raise refuse(f"previous_response_id={shown(body.previous_response_id, 80)}: "
+                     f"{NOTHING_STORED}", "previous_response_id")
+    if body.conversation is not None:
+        raise refuse(f"conversation={shown(body.conversation, 80)}: {NOTHING_STORED}",
+                     "conversation")
+    if body.background not in (None, False):
+        raise refuse(f"background={shown(body.background, 80)}: background responses are "
+                     "not supported (nothing is stored to poll)", "background")
+    if body.reasoning not in (None, {}) and not (isinstance(body.reasoning, dict) and all(
+            v is None for v in body.reasoning.values())):
+        raise refuse(f"reasoning={shown(body.reasoning, 80)}: the served model does not "
+                     "reason", "reasoning")
+    if body.include not in (None, []):
+        raise refuse(f"include={shown(body.include, 80)}: no additional output data is "
+                     "supported", "include")
+    if body.prompt is not None:
+        raise refuse(f"prompt={shown(body.prompt, 80)}: stored prompt templates are not "
+                     "supported (nothing is stored)", "prompt")
+    if body.max_tool_calls is not None:
+        raise refuse(f"max_tool_calls={shown(body.max_tool_calls, 80)}: not supported",
+                     "max_tool_calls")
+    if body.top_logprobs not in (None, 0):
+        raise refuse(f"top_logprobs={shown(body.top_logprobs, 80)}: logprobs are not "
+                     "supported on /v1/responses (they are on /v1/chat/completions)",
+                     "top_logprobs")
+    if body.context_management is not None:
+        raise refuse(f"context_management={shown(body.context_management, 80)}: not "
+                     "supported", "context_management")
+    if body.truncation not in (None, "disabled"):
+        raise refuse(f"truncation={shown(body.truncation, 80)}: only \"disabled\" (a "
+                     "conversation longer than the context is refused, never cut)",
+                     "truncation")
+    if body.stream_options is not None:
+        if not body.stream:
+            raise refuse("stream_options: only allowed with stream=true", "stream_options")
+        unknown = set(body.stream_options) - {"include_obfuscation"}
+        if unknown:
+            raise refuse(f"stream_options.{sorted(unknown)[0][:80]}: unknown option",
+                         "stream_options")
+
+
+# ---- request: Responses -> chat ----------------------------------------------------------------
+def _part_text(part: Any, at: str, param: str) -> str:
+    if not isinstance(part, dict):
+        raise refuse(f"{at}={shown(part, 80)}: a content part must be an object", param)
+    kind = part.get("type")
+    if kind in TEXT_PARTS:
+        if not isinstance(part.get("text"), str):
+            raise refuse(f"{at}.text={shown(part.get('text'), 80)}: must be a string",
+                         f"{param}.text")
+        return str(part["text"])
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return str(part["refusal"])
+    raise refuse(f"{at}.type={shown(kind, 80)}: only text parts (input_text, output_text) "
+                 "are supported: the served model reads no images, files or audio",
+                 f"{param}.type")
+
+
+def _content(item: dict[str, Any], i: int) -> str:
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise refuse(f"input[{i}].content={shown(content, 80)}: a string or a list of text "
+                     "parts", f"input.{i}.content")
+    return "\n".join(_part_text(part, f"input[{i}].content[{j}]", f"input.{i}.content.{j}")
+                     for j, part in enumerate(content))
+
+
+def _text_of_output(output: Any, i: int) -> str:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list) and output:
+        return "\n".join(_part_text(part, f"input[{i}].output[{j}]", f"input.{i}.output.{j}")
+                         for j, part in enumerate(output))
+    raise refuse(f"input[{i}].output={shown(output, 80)}: a string or a list of text parts",
+                 f"input.{i}.output")
+
+
+def _string(item: dict[str, Any], key: str, i: int) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise refuse(f"input[{i}].{key}={shown(value, 80)}: must be a string",
+                     f"input.{i}.{key}")
+    return value
+
+
+def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``: message items as messages,
+    ``function_call`` items as the tool calls of an assistant message (consecutive ones, and
+    an assistant message just before them, are one message), ``function_call_output`` items
+    as ``tool`` messages."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions is not None:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    if not body.input:
+        raise refuse("input=[]: at least one item", "input")
+    for i, item in enumerate(body.input):
+        kind = item.get("type", "message" if "role" in item else None)
+        keys = ITEM_KEYS.get(kind) if isinstance(kind, str) else None
+        if keys is None:
+            raise refuse(f"input[{i}].type={shown(kind, 80)}: must be one of message, "
+                         "function_call, function_call_output (item references and built-in "
+                         "tools' items are not supported: nothing is stored)",
+                         f"input.{i}.type")
+        extra = sorted(set(item) - keys)
+        if extra:
+            raise refuse(f"input[{i}].{extra[0][:80]}: unknown key of a {kind} item, refused",
+                         f"input.{i}.{extra[0][:80]}")
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise refuse(f"input[{i}].role={shown(role, 80)}: must be one of "
+                             f"{', '.join(INPUT_ROLES)}", f"input.{i}.role")
+            messages.append({"role": role, "content": _content(item, i)})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i),
+                                 "arguments": _string(item, "arguments", i)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
+                             "content": _text_of_output(item.get("output"), i)})
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools as chat's; any other tool (the built-in ones) refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise refuse(f"tools[{i}].type={shown(tool.get('type'), 80)}: only function tools "
+                         "are supported (no built-in tools: web_search, file_search, "
+                         "code_interpreter, computer_use, mcp, ...)", f"tools.{i}.type")
+        out.append({"type": "function",
+                    "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function":
+        raise refuse(f"tool_choice.type={shown(choice.get('type'), 80)}: only \"function\" "
+                     "(or the strings auto, none, required)", "tool_choice.type")
+    extra = sorted(set(choice) - {"type", "name"})
+    if extra:
+        raise refuse(f"tool_choice.{extra[0][:80]}: unknown key, refused",
+                     f"tool_choice.{extra[0][:80]}")
+    return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def response_format(text: dict[str, Any] | None) -> Any:
+    """``text.format`` as chat's ``response_format`` (None: plain text)."""
+    if text is None:
+        return None
+    extra = sorted(set(text) - {"format", "verbosity"})
+    if extra:
+        raise refuse(f"text.{extra[0][:80]}: unknown key, refused", f"text.{extra[0][:80]}")
+    if text.get("verbosity") is not None:
+        raise refuse(f"text.verbosity={shown(text['verbosity'], 80)}: not supported",
+                     "text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise refuse(f"text.format={shown(fmt, 80)}: must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        return {"type": "json_schema",
+                "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise refuse(f"text.format.type={shown(kind, 80)}: must be one of text, json_object, "
+                 "json_schema", "text.format.type")
+
+
+def chat_body(body: ResponsesRequest) -> ChatRequest:
+    """The chat request that answers ``body`` (checked by chat's own parser)."""
+    given: dict[str, Any] = {
+        "model": body.model, "messages": messages_of(body), "stream": body.stream,
+        "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
+        "top_p": body.top_p, "tools": chat_tools(body.tools),
+        "tool_choice": chat_tool_choice(body.tool_choice),
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "response_format": response_format(body.text), "timeout": body.timeout,
+        "seed": body.seed, "user": body.user}
+    if body.stream:  # the usage of response.completed
+        given["stream_options"] = {"include_usage": True}
+    try:
+        return parse(ChatRequest, json.dumps(
+            {k: v for k, v in given.items() if v is not None}).encode())
+    except Refusal as err:
+        err.param = responses_param(err.param)
+        raise
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat error's ``param`` as the Responses body names the field."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages":
+        return "input"
+    if head in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if head == "response_format":
+        return "text.format" + ("." + rest.removeprefix("json_schema.").removeprefix(
+            "json_schema") if rest and rest != "json_schema" else "")
+    if head == "tools" and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    if head == "tool_choice":
+        return param.replace(".function.", ".", 1).replace(".function", "")
+    return param
+
+
+# ---- answer: chat -> Response --------------------------------------------------------------
+def _hex() -> str:
+    return uuid.uuid4().hex
+
+
+class Answer:
+    """The Response object of one request, built from its chat answer (whole or streamed)."""
+
+    def __init__(self, body: ResponsesRequest, response_id: str, model: str) -> None:
+        self.body, self.id, self.model = body, response_id, model
+        self.created = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.usage: dict[str, Any] | None = None
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        return {"id": f"msg_{_hex()}", "type": "message", "role": "assistant",
+                "status": status, "content": [self.text_part(text)]}
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    @staticmethod
+    def call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {"id": f"fc_{_hex()}", "type": "function_call", "call_id": call_id,
+                "name": name, "arguments": arguments, "status": status}
+
+    def set_usage(self, usage: dict[str, Any]) -> None:
+        self.usage = {"input_tokens": usage["prompt_tokens"],
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens": usage["completion_tokens"],
+                      "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": usage["total_tokens"]}
+
+    def response(self, status: str, finish: str | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length"
+            else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.model,
+            "output": list(self.output),
+            "parallel_tool_calls": True if body.parallel_tool_calls is None
+            else body.parallel_tool_calls,
+            "previous_response_id": None, "reasoning": None,
+            "service_tier": "default", "store": False,  # nothing is kept, whatever was asked
+            "temperature": 0.0 if body.temperature is None else body.temperature,
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled", "usage": self.usage, "user": body.user}
+
+    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """The Response of a chat completion."""
+        choice = chat["choices"][0]
+        finish = choice["finish_reason"]
+        status = "incomplete" if finish == "length" else "completed"
+        message = choice["message"]
+        calls = message.get("tool_calls") or []
+        if message.get("content") or not calls:
+            self.output.append(self.message(message.get("content") or "", status))
+        for call in calls:
+            self.output.append(self.call(call["id"], call["function"]["name"],
+                                         call["function"]["arguments"], "completed"))
+        self.set_usage(chat["usage"])
+        return self.response(status, finish)
+
+
+class EventStream:
+    """The Responses' events of a chat stream: :meth:`chunk` per chat chunk, :meth:`end` at
+    its ``[DONE]``, :meth:`failed` for its error event; each returns the SSE bytes."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.seq = 0
+        self.text: dict[str, Any] | None = None  # the open message item
+        self.text_index = -1
+        self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # chat index -> (output, item)
+        self.open_call: int | None = None  # the chat index of the call being streamed
+        self.finish: str | None = None
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+    def opening(self) -> bytes:
+        response = self.answer.response("in_progress")
+        return (self.event("response.created", response=response)
+                + self.event("response.in_progress", response=response))
+
+    def _close_text(self, status: str = "completed") -> bytes:
+        item = self.text
+        if item is None:
+            return b""
+        self.text = None
+        item["status"] = status
+        text = item["content"][0]["text"]
+        at = {"item_id": item["id"], "output_index": self.text_index}
+        return (self.event("response.output_text.done", **at, content_index=0, text=text,
+                           logprobs=[])
+                + self.event("response.content_part.done", **at, content_index=0,
+                             part=Answer.text_part(text))
+                + self.event("response.output_item.done", output_index=self.text_index,
+                             item=dict(item, content=[dict(item["content"][0])])))
+
+    def _close_call(self) -> bytes:
+        if self.open_call is None:
+            return b""
+        index, item = self.calls[self.open_call]
+        self.open_call = None
+        item["status"] = "completed"
+        return (self.event("response.function_call_arguments.done", item_id=item["id"],
+                           output_index=index, arguments=item["arguments"], name=item["name"])
+                + self.event("response.output_item.done", output_index=index, item=dict(item)))
+
+    def _text(self, delta: str) -> bytes:
+        out = b""
+        if self.text is None:
+            out += self._close_call()
+            self.text = self.answer.message("", "in_progress")
+            self.text["content"] = []
+            self.text_index = len(self.answer.output)
+            self.answer.output.append(self.text)
+            at = {"item_id": self.text["id"], "output_index": self.text_index}
+            out += self.event("response.output_item.added", output_index=self.text_index,
+                              item=dict(self.text, content=[]))
+            self.text["content"].append(Answer.text_part(""))
+            out += self.event("response.content_part.added", **at, content_index=0,
+                              part=Answer.text_part(""))
+        self.text["content"][0]["text"] += delta
+        return out + self.event("response.output_text.delta", item_id=self.text["id"],
+                                output_index=self.text_index, content_index=0, delta=delta,
+                                logprobs=[])
+
+    def _call(self, piece: dict[str, Any]) -> bytes:
+        out = b""
+        k = piece.get("index", 0)
+        function = piece.get("function") or {}
+        if k not in self.calls:
+            out += self._close_text() + self._close_call()
+            item = Answer.call(piece.get("id") or "", function.get("name") or "", "",
+                               "in_progress")
+            self.calls[k] = (len(self.answer.output), item)
+            self.answer.output.append(item)
+            self.open_call = k
+            out += self.event("response.output_item.added", output_index=self.calls[k][0],
+                              item=dict(item))
+        index, item = self.calls[k]
+        delta = function.get("arguments") or ""
+        if delta:
+            item["arguments"] += delta
+            out += self.event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=index, delta=delta)
+        return out
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        if chunk.get("usage"):
+            self.answer.set_usage(chunk["usage"])
+        out = b""
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for piece in delta.get("tool_calls") or ():
+                out += self._call(piece)
+            if choice.get("finish_reason") is not None:
+                self.finish = choice["finish_reason"]
+        return out
+
+    def end(self) -> bytes:
+        incomplete = self.finish == "length"
+        status = "incomplete" if incomplete else "completed"
+        out = self._close_text(status) + self._close_call()
+        if not self.answer.output:  # no text, no call: the empty message, as whole() has it
+            out += self._text("") + self._close_text(status)
+        return out + self.event(f"response.{status}",
+                                response=self.answer.response(status, self.finish))
+
+    def failed(self, error: dict[str, Any]) -> bytes:
+        for item in self.answer.output:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+        return self.event("response.failed", response=self.answer.response(
+            "failed", error={"code": error.get("code") or "server_error",
+                             "message": error.get("message") or "the response failed"}))
+
+
+def _error_answer(answer: Response) -> Response:
+    """A chat error response with the Responses' ``param``; its status and headers kept."""
+    try:
+        body = json.loads(bytes(answer.body))
+    except ValueError:
+        return answer
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("param") is not None:
+        error["param"] = responses_param(error["param"])
+    headers = {k: v for k, v in answer.headers.items()
+               if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, answer.status_code, headers=headers)
+
+
+def add_routes(app: FastAPI, service: CompletionService, chat: ChatPath) -> None:
+    """``POST /v1/responses`` (on ``chat``) and the 404s of the stored-response routes."""
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        response_id = f"resp_{_hex()}"
+        wire.name_request(request.scope, response_id)
+        try:
+            body = await chat.read(request, ResponsesRequest)
+            unsupported(body)
+            chat_request = chat_body(body)
+        except Refusal as err:
+            return chat.refused(err)
+        answer = Answer(body, response_id, service.config.model_name)
+        result = await chat.answer(request, chat_request, response_id, "input",
+                                   "max_output_tokens")
+        if result.status_code != 200:
+            return _error_answer(result)
+        if not isinstance(result, wire.BoundedStreamingResponse):
+            return JSONResponse(answer.whole(json.loads(bytes(result.body))))
+        return wire.BoundedStreamingResponse(
+            _relay(result, EventStream(answer)), result.bounds, result.until, result.on_cut,
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def not_stored(response_id: str) -> Response:
+        return chat.answered(Refusal(Status.failure(
+            "request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+            f"response {shown(response_id, 80)} not found: {NOTHING_STORED}"),
+            "response_id", 404))
+
+    async def stored(request: Request, response_id: str) -> Response:
+        auth = auth_refusal(request, service.config.api_key)
+        if auth is not None:
+            return chat.answered(auth)
+        return not_stored(response_id)
+
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", stored, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", stored, methods=["POST"])
+
+
+async def _relay(chat: wire.BoundedStreamingResponse, events: EventStream
+                 ) -> AsyncIterator[bytes]:
+    """The Responses' events of the chat stream ``chat`` (its body closed with this one: its
+    ``finally`` gives back what the request holds)."""
+    inner = chat.body_iterator
+    try:
+        yield events.opening()
+        pending = b""
+        async for piece in inner:
+            pending += piece.encode() if isinstance(piece, str) else bytes(piece)
+            out = b""
+            while b"\n\n" in pending:
+                frame, pending = pending.split(b"\n\n", 1)
+                data = frame.removeprefix(b"data: ")
+                if data == b"[DONE]":
+                    out += events.end()
+                    yield out
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    yield out + events.failed(chunk["error"])
+                    return
+                out += events.chunk(chunk)
+            if out:
+                yield out
+        # ended with neither [DONE] nor an error event: said, never a silently cut stream
+        yield events.failed({"code": "server_error",
+                             "message": "the response's stream ended before it finished"})
+    finally:
+        close = getattr(inner, "aclose", None)
+        if close is not None:
+            await close()

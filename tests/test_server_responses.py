@@ -1,0 +1,276 @@
+"""Stop 63: OpenAI's Responses API (``POST /v1/responses``, drivers/serving/responses_api.py),
+on the chat path, against a live loopback server on the synthetic model, with the official
+``openai`` SDK unmodified (``responses.create``, ``create(stream=True)``,
+``responses.stream``, ``responses.parse``, a tool round-trip) and raw httpx for the events'
+order and the refusals. Before: every call was a 404 (no such route). Replies are checked
+against the numpy oracle's greedy tokens, or against the chat route's answer to the same
+conversation. Client timeout 10 s, no retries."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pydantic
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import (
+    MODEL,
+    metric_value,
+    openai_server,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+)
+
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as served:
+        yield served
+
+
+def _reply(text: str, n: int) -> str:
+    """The greedy reply the plain chat template gives to ``text`` (its rendered messages)."""
+    return tokenizer.decode(oracle_tokens(tokenizer.encode(text + "assistant:"), n))
+
+
+def _events(text: str) -> list[tuple[str, dict]]:
+    """(event name, data) of each SSE event of a Responses stream."""
+    return [(name, json.loads(data)) for name, data in
+            re.findall(r"event: (\S+)\ndata: (\{.*?\})\n\n", text)]
+
+
+class Person(pydantic.BaseModel):
+    # bounded: the synthetic model's random weights never close an unbounded string
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=150)
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                    "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+# ---- the SDK ------------------------------------------------------------------------------------
+def test_create_answers_a_response_object_the_sdk_reads(live):
+    _, client, _ = live
+    r = client.responses.create(model=MODEL, input="Hello", instructions="Be terse.",
+                                max_output_tokens=5, metadata={"k": "v"}, user="u1")
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.output_text == _reply("system: Be terse.\nuser: Hello\n", 5)
+    # the synthetic model never ends on its own: max_output_tokens cut it
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert item.content[0].type == "output_text"
+    prompt = len(tokenizer.encode("system: Be terse.\nuser: Hello\nassistant:"))
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (
+        prompt, 5, prompt + 5)
+    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert (r.instructions, r.max_output_tokens, r.metadata, r.user) == (
+        "Be terse.", 5, {"k": "v"}, "u1")
+    assert r.tool_choice == "auto" and r.tools == [] and r.store is False
+
+
+def test_input_items_with_parts_and_roles_render_as_chat_messages(live):
+    _, client, _ = live
+    r = client.responses.create(model=MODEL, max_output_tokens=4, input=[
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Part one."}, {"type": "input_text", "text": "Two."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Ok."}]},
+        {"role": "user", "content": "Go"}])
+    assert r.output_text == _reply(
+        "developer: Rules.\nuser: Part one.\nTwo.\nassistant: Ok.\nuser: Go\n", 4)
+
+
+def test_create_stream_sends_the_semantic_events_in_order(live):
+    _, client, _ = live
+    events = list(client.responses.create(model=MODEL, input="Hello", max_output_tokens=4,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * 4, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == _reply("user: Hello\n", 4)
+    last = events[-1].response
+    assert last.output_text == text and last.usage.output_tokens == 4
+    assert last.incomplete_details.reason == "max_output_tokens"
+    assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
+
+
+def test_responses_stream_helper_and_parse_give_the_parsed_model(live):
+    _, client, _ = live
+    with client.responses.stream(model=MODEL, input="Invent a person.", text_format=Person,
+                                 max_output_tokens=200) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and isinstance(final.output_parsed, Person)
+    assert "".join(deltas) == final.output_text
+    parsed = client.responses.parse(model=MODEL, input="Invent a person.", text_format=Person,
+                                    max_output_tokens=200)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    assert parsed.output_parsed == final.output_parsed  # greedy: the same person
+    assert parsed.text.format.type == "json_schema"
+
+
+def test_a_tool_round_trip_answers_as_chat_does(live):
+    """A function call (tool_choice required), then its output sent back as
+    ``function_call_output`` with the call item the SDK returned: the second turn's answer
+    is the chat route's to the same conversation."""
+    server, client, _ = live
+    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+                                    tool_choice="required", max_output_tokens=200)
+    [call] = first.output
+    assert first.status == "completed" and call.type == "function_call"
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    assert call.id.startswith("fc_") and isinstance(json.loads(call.arguments)["city"], str)
+    second = client.responses.create(
+        model=MODEL, tools=[WEATHER], max_output_tokens=6,
+        input=[{"role": "user", "content": "Weather in Paris?"}, *first.output,
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}])
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT_S, json={
+        "max_tokens": 6, "tools": [{"type": "function", "function": {
+            k: v for k, v in WEATHER.items() if k != "type"}}],
+        "messages": [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [{
+                         "id": call.call_id, "type": "function", "function": {
+                             "name": call.name, "arguments": call.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny."}]})
+    assert chat.status_code == 200, chat.text
+    assert second.output_text == chat.json()["choices"][0]["message"]["content"]
+
+
+def test_a_named_tool_choice_streams_the_function_call_events(live):
+    server, _, _ = live
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+            "input": "Weather?", "tools": [WEATHER], "stream": True, "max_output_tokens": 200,
+            "tool_choice": {"type": "function", "name": "get_weather"}}) as r:
+        events = _events(r.read().decode())
+    kinds = [k for k, _ in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert all(data["type"] == kind for kind, data in events)
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    args = "".join(d["delta"] for k, d in events if k.endswith("arguments.delta"))
+    done = events[-1][1]["response"]
+    assert done["output"][0]["arguments"] == args == events[-3][1]["arguments"]
+    assert done["output"][0]["id"] == events[2][1]["item"]["id"]
+    assert done["tool_choice"] == {"type": "function", "name": "get_weather"}
+
+
+# ---- refusals and the stored-response routes -------------------------------------------------
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.content.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_what_is_not_supported_is_refused_naming_the_field(live, extra, param):
+    _, client, _ = live
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="x", extra_body=extra)
+    assert caught.value.param == param, caught.value.body
+    assert param.split(".")[0] in caught.value.message
+
+
+def test_store_true_is_accepted_and_nothing_is_kept(live):
+    server, client, _ = live
+    r = client.responses.create(model=MODEL, input="x", store=True, max_output_tokens=1)
+    assert r.status == "incomplete" and r.store is False
+    for method in ("GET", "DELETE"):
+        got = httpx.request(method, f"{server.url}/v1/responses/{r.id}", timeout=TIMEOUT_S)
+        assert got.status_code == 404, got.text
+        assert r.id in got.json()["error"]["message"]
+        assert got.json()["error"]["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+# ---- the chat path's behaviour, kept ---------------------------------------------------------
+def test_a_deadline_mid_stream_ends_with_response_failed(live):
+    server, _, _ = live
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=30, json={
+            "input": "x", "stream": True, "max_output_tokens": 30000, "timeout": 0.5}) as r:
+        assert r.status_code == 200
+        events = _events(r.read().decode())
+    kind, data = events[-1]
+    assert kind == "response.failed" and data["response"]["status"] == "failed"
+    assert data["response"]["error"]["code"].endswith(".deadline")
+    assert data["response"]["error"]["message"].startswith("request timeout=0.5 s passed")
+    assert any(k == "response.output_text.delta" for k, _ in events)
+
+
+def test_a_deadline_of_a_whole_answer_is_the_chat_routes_504(live):
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
+        "input": "x", "max_output_tokens": 30000, "timeout": 0.5})
+    assert r.status_code == 504 and r.json()["error"]["code"].endswith(".deadline"), r.text
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_a_client_gone_mid_stream_gives_back_its_sequence(live):
+    server, _, service = live
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+            "input": "x", "stream": True, "max_output_tokens": 30000}) as r:
+        for line in r.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                break
+    wait_for(lambda: service.sequences.in_use == 0, what="the sequence given back")
+
+
+def test_requests_are_counted_as_chat_requests_are(live):
+    server, client, _ = live
+    before = httpx.get(f"{server.url}/metrics").text
+    ok0 = metric_value(before, "calexec_request_success_total",
+                       {"finished_reason": "length"}) or 0
+    bad0 = metric_value(before, "calexec_request_failures_total",
+                        {"category": "invalid_request"}) or 0
+    client.responses.create(model=MODEL, input="x", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", background=True)
+    after = httpx.get(f"{server.url}/metrics").text
+    assert metric_value(after, "calexec_request_success_total",
+                        {"finished_reason": "length"}) == ok0 + 1
+    assert metric_value(after, "calexec_request_failures_total",
+                        {"category": "invalid_request"}) == bad0 + 1
+
+
+def test_kv_exhausted_is_429_with_retry_after(tmp_path):
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig())
+        executor.device.emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.ALWAYS, 1)
+        with TestClient(app) as client:
+            r = client.post("/v1/responses", json={"input": "x", "max_output_tokens": 1,
+                                                   "timeout": 0.2})
+            assert r.status_code == 429, r.text
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["status"]["code"] == "kv.deadline"
+    finally:
+        executor.shutdown(5.0)
