@@ -7,7 +7,8 @@ sends ``response_format`` ``json_schema``) and ``bind_tools`` with one tool (``t
 ``OpenAI`` completion LLM: ``invoke`` and ``batch`` (it always sends ``prompt`` as a list).
 Async (one event loop for the module): ``ainvoke``, ``astream``, ``abatch``,
 ``astream_events``, and the ``bind_tools`` loop that sends a ``ToolMessage`` back for a
-second turn.
+second turn. ``ChatOpenAI(use_responses_api=True)``: ``invoke`` and ``stream`` over
+``/v1/responses``.
 
 ``with_structured_output`` and ``bind_tools`` are written to the OpenAI contract: they need the
 grammar engine of issue 27's structured-outputs branch and fail without it (on this server a
@@ -107,6 +108,20 @@ def test_chat_bind_tools_answers_an_openai_shaped_tool_call(url):
     assert isinstance(call["args"], dict) and isinstance(call["args"].get("city"), str)
     assert len(call["args"]["city"]) <= 12
     json.dumps(call["args"])
+
+
+def test_chat_over_the_responses_api_invokes_and_streams(url):
+    """``ChatOpenAI(use_responses_api=True)`` talks to ``POST /v1/responses`` (stop 63: it
+    was a 404): the reply and the streamed text are the greedy answer; the metadata is the
+    Response's (status incomplete: max_tokens, sent as max_output_tokens, cut it)."""
+    chat = _chat(url, use_responses_api=True)
+    reply = chat.invoke("Hello there")
+    assert reply.text == _chat_answer("Hello there", 4)
+    assert reply.response_metadata["id"].startswith("resp_")
+    assert reply.response_metadata["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert reply.usage_metadata["output_tokens"] == 4
+    streamed = "".join(chunk.text for chunk in chat.stream("Hello there"))
+    assert streamed == reply.text
 
 
 # ---- the OpenAI completion LLM ---------------------------------------------------------------
