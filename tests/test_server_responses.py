@@ -131,8 +131,9 @@ def test_responses_stream_helper_and_parse_give_the_parsed_model(live):
 
 def test_a_tool_round_trip_answers_as_chat_does(live):
     """A function call (tool_choice required), then its output sent back as
-    ``function_call_output`` with the call item the SDK returned: the second turn's answer
-    is the chat route's to the same conversation."""
+    ``function_call_output`` with the call item the SDK returned (with ``parsed_arguments``,
+    as responses.parse returns it): the second turn's answer is the chat route's to the same
+    conversation."""
     server, client, _ = live
     first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER],
                                     tool_choice="required", max_output_tokens=200)
@@ -140,9 +141,12 @@ def test_a_tool_round_trip_answers_as_chat_does(live):
     assert first.status == "completed" and call.type == "function_call"
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     assert call.id.startswith("fc_") and isinstance(json.loads(call.arguments)["city"], str)
+    # the item as responses.parse returns it (its parse of the arguments: ignored)
+    sent_back = {**call.model_dump(exclude_unset=True),
+                 "parsed_arguments": json.loads(call.arguments)}
     second = client.responses.create(
         model=MODEL, tools=[WEATHER], max_output_tokens=6,
-        input=[{"role": "user", "content": "Weather in Paris?"}, *first.output,
+        input=[{"role": "user", "content": "Weather in Paris?"}, sent_back,
                {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny."}])
     chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=TIMEOUT_S, json={
         "max_tokens": 6, "tools": [{"type": "function", "function": {

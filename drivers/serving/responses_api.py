@@ -18,6 +18,7 @@ Nothing is stored: ``store`` is accepted (OpenAI's default is true) and nothing 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,12 +46,16 @@ from calexec.drivers.serving.service import CompletionService
 #: ``input`` message roles (a ``tool`` answer is a ``function_call_output`` item)
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 #: the keys of each input item kind (the SDK sends an output item back as it got it)
-ITEM_KEYS = {"message": {"type", "role", "content", "id", "status"},
-             "function_call": {"type", "id", "call_id", "name", "arguments", "status"},
+ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+             # parsed_arguments: the SDK's parse of the arguments (responses.parse), ignored
+             "function_call": {"type", "id", "call_id", "name", "arguments", "status",
+                               "parsed_arguments"},
              "function_call_output": {"type", "id", "call_id", "output", "status"}}
 #: text parts of a message's content (an assistant's as the server sent them: annotations,
 #: logprobs, and the SDK's ``parsed`` of responses.parse, all ignored)
 TEXT_PARTS = ("input_text", "output_text")
+log = logging.getLogger(__name__)
+
 NOTHING_STORED = ("this server stores no responses (store is accepted, nothing is kept): "
                   "send the whole conversation in input")
 
@@ -595,18 +600,23 @@ async def _relay(chat: wire.BoundedStreamingResponse, events: EventStream
         async for piece in inner:
             pending += piece.encode() if isinstance(piece, str) else bytes(piece)
             out = b""
-            while b"\n\n" in pending:
-                frame, pending = pending.split(b"\n\n", 1)
-                data = frame.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    out += events.end()
-                    yield out
-                    return
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    yield out + events.failed(chunk["error"])
-                    return
-                out += events.chunk(chunk)
+            try:
+                while b"\n\n" in pending:
+                    frame, pending = pending.split(b"\n\n", 1)
+                    data = frame.removeprefix(b"data: ")
+                    if data == b"[DONE]":
+                        yield out + events.end()
+                        return
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        yield out + events.failed(chunk["error"])
+                        return
+                    out += events.chunk(chunk)
+            except Exception as exc:  # noqa: BLE001 - a bug here: the stream's failure, said
+                log.exception("request %s: translating the chat stream", events.answer.id)
+                yield out + events.failed({"code": "server_error", "message":
+                                           f"unexpected {type(exc).__name__} (server log)"})
+                return
             if out:
                 yield out
         # ended with neither [DONE] nor an error event: said, never a silently cut stream
