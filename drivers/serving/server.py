@@ -26,6 +26,7 @@ import signal
 import socket
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -326,7 +327,8 @@ def abortable(protocol: type) -> type:
         parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
-            self._cycles: list[Any] = []
+            #: the connection's requests not yet answered, in request order
+            self._cycles: deque[Any] = deque()
             super().connection_made(transport)
             if parses_heads:
                 _lenient(self.parser)
@@ -546,8 +548,11 @@ def abortable(protocol: type) -> type:
             cycle = getattr(self, "cycle", None)
             if cycle is None or cycle is before:
                 return  # no request started (uvicorn's WebSocket upgrade path): no cycle
-            # the connection's requests not yet answered (connection_lost disconnects them)
-            self._cycles = [c for c in self._cycles if not c.response_complete]
+            # the connection's requests not yet answered (connection_lost disconnects them):
+            # answered in request order, so the answered ones are at the front (rebuilding
+            # the list at every head made a read of N pipelined requests cost N * N / 2)
+            while self._cycles and self._cycles[0].response_complete:
+                self._cycles.popleft()
             self._cycles.append(self.cycle)
             version_1_0 = self.scope.get("http_version") == "1.0"
             if version_1_0:
@@ -567,6 +572,13 @@ def abortable(protocol: type) -> type:
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request it starts cancels the wait
             super().on_response_complete()
+            if getattr(self, "pipeline", None) and not self.transport.is_closing():
+                # uvicorn reads on after every answer, while requests it read are still
+                # queued (``pipeline``): each answer queued another read's worth (a 256
+                # KiB read of small requests is thousands), so a client pipelining
+                # requests without reading their answers filled the server's memory. The
+                # connection is read again once they are answered: one read of them held
+                self.flow.pause_reading()
             self._refuse_when_answered()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -576,7 +588,7 @@ def abortable(protocol: type) -> type:
             transport (uvloop raises). Every unanswered request of the connection is
             disconnected."""
             self._head_arrived()
-            cycles, self._cycles = self._cycles, []
+            cycles, self._cycles = self._cycles, deque()
             for cycle in cycles:
                 if cycle is not getattr(self, "cycle", None) and not cycle.response_complete:
                     cycle.disconnected = True

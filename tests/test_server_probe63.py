@@ -1,0 +1,104 @@
+"""A client pipelining requests it does not read, found by probing a loopback ``calexec
+serve`` at stop 63: one such connection took the server's memory and event loop. Real
+executor on the bundled emulator behind ``calexec serve``'s uvicorn configuration; raw
+loopback sockets; every wait bounded."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+
+import pytest
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import (
+    ServeLikeServer,
+    send_raw,
+    server_idle,
+    started_executor,
+    wait_for,
+)
+
+#: one pipelined request: the smallest answer the server gives (``/ping``: 200, no body)
+PING = b"GET /ping HTTP/1.1\r\nhost: x\r\n\r\n"
+#: what the event loop reads of a connection at once (uvloop's and asyncio's read size)
+READ_BYTES = 256 << 10
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def small(executor):
+    """``(server, service)``: the executor behind ``calexec serve``'s uvicorn configuration
+    with small buffers (a response stalls after ~12 KB its client did not read)."""
+    app = create_app(executor, ServerConfig())
+    with ServeLikeServer(app, small_buffers=True) as server:
+        yield server, app.state.service
+
+
+def _cycles() -> int:
+    """The uvicorn request cycles alive in this process (the server runs in a thread)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, RequestResponseCycle))
+
+
+def _flood(port: int, total: int) -> tuple[socket.socket, threading.Thread, list[int]]:
+    """A client with a 4 KiB receive buffer sending ``total`` bytes of pipelined pings and
+    reading nothing, from a thread; its send stops once the server stops reading (a 5 s
+    silence). The bytes it sent are in the returned list."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(5.0)
+    sock.connect(("127.0.0.1", port))
+    sent = [0]
+    batch = PING * 2000
+
+    def run() -> None:
+        try:
+            while sent[0] < total:
+                sock.sendall(batch)
+                sent[0] += len(batch)
+        except OSError:  # the send stalled (the server stopped reading) or was cut
+            pass
+    thread = threading.Thread(target=run, name="pipelining-client", daemon=True)
+    thread.start()
+    return sock, thread, sent
+
+
+def test_a_client_pipelining_requests_it_does_not_read_holds_one_read_of_them(small):
+    """uvicorn's httptools protocol parses each read whole (a 256 KiB read of pings is
+    ~8,000 requests, queued behind the one being answered) and went back to reading after
+    every answer, though the requests it had read were still queued: a client that sent
+    pings and read no answer had the server read on for as long as answers still fitted its
+    buffers, each answer queueing another read's worth. And the server's protocol rebuilt
+    its list of the connection's unanswered requests at each request head, a quadratic
+    parse: 6 MB of pings (160,000 requests, sent in a second) held the event loop 10 to 20
+    s, every other client's ``/health`` unanswered meanwhile, and the requests held memory
+    (tens of MB) until the connection closed. The server now reads a connection again only
+    once the requests it read are answered: it holds at most one read of them, and another
+    client is served meanwhile."""
+    server, service = small
+    before = _cycles()
+    sock, thread, sent = _flood(server.port, 24 << 20)
+    try:
+        thread.join(120.0)
+        assert not thread.is_alive(), "the pipelining client's send did not stop"
+        assert sent[0] < 24 << 20, "the server read every byte of the flood"
+        held = _cycles() - before
+        assert held <= READ_BYTES // len(PING) + 2, (held, sent[0])
+        # another client is served while the flood's connection is open
+        data, _ = send_raw(server.port, b"GET /health HTTP/1.1\r\nhost: x\r\n"
+                           b"connection: close\r\n\r\n", timeout=30.0)
+        assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+    finally:
+        sock.close()
+    wait_for(lambda: _cycles() <= before, 30, "the pipelined requests freed at the close")
+    wait_for(lambda: server_idle(service), 10, "the server idle")
