@@ -102,3 +102,51 @@ def test_a_client_pipelining_requests_it_does_not_read_holds_one_read_of_them(sm
         sock.close()
     wait_for(lambda: _cycles() <= before, 30, "the pipelined requests freed at the close")
     wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+@pytest.fixture(scope="module")
+def served(executor):
+    """``(server, service)``: the executor behind ``calexec serve``'s uvicorn configuration."""
+    app = create_app(executor, ServerConfig())
+    with ServeLikeServer(app) as server:
+        yield server, app.state.service
+
+
+def test_options_asterisk_asks_about_the_server_and_is_answered_200_with_allow(served):
+    """``OPTIONS *`` (RFC 9110 section 9.3.7: the asterisk-form target asks about the
+    server in general, a ping some proxies and clients send) was answered 404 ``OPTIONS
+    /*: no such route``, naming a path the client never sent. It is a 200 with ``Allow``
+    (the methods the server's routes take), no body, as Go's net/http answers it."""
+    from test_server_support import split_head
+
+    server, _ = served
+    data, _ = send_raw(server.port, b"OPTIONS * HTTP/1.1\r\nhost: x\r\nconnection: close"
+                       b"\r\n\r\n")
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:400]
+    assert headers.get("allow") == "GET, HEAD, POST, OPTIONS", headers
+    assert headers.get("content-length") == "0" and rest == b"", data[:400]
+    assert headers.get("x-request-id"), headers
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "HEAD"])
+def test_another_method_with_the_asterisk_target_is_a_400_naming_it(served, method):
+    """The asterisk-form target is only for ``OPTIONS`` (RFC 9112 section 3.2.4): ``GET *``
+    was a 404 ``GET /*: no such route`` (a path the client never sent); now the 400 of a
+    request target no request may have, naming it."""
+    import json
+
+    from test_server_support import split_head
+
+    server, _ = served
+    body = b'{"prompt": [1], "max_tokens": 1}' if method == "POST" else b""
+    data, _ = send_raw(server.port, f"{method} * HTTP/1.1\r\nhost: x\r\nconnection: close"
+                       f"\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
+                       "\r\n\r\n".encode() + body)
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400 "), data[:400]
+    if method != "HEAD":
+        error = json.loads(rest)["error"]
+        assert error["code"] == "request.invalid_target", error
+        assert error["message"].startswith(f"{method} *: "), error
+        assert "/*" not in error["message"], error

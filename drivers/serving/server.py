@@ -118,6 +118,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                            allow_headers=["*"],
                            expose_headers=["retry-after", wire.REQUEST_ID_HEADER],
                            max_age=600)
+    app.add_middleware(AsteriskForm)
     # outside CORS: its preflight answers carry the id too
     app.add_middleware(wire.RequestIds)
 
@@ -231,6 +232,37 @@ def head_with_get(app: FastAPI) -> None:
     for route in app.routes:
         if isinstance(route, APIRoute) and route.methods and "GET" in route.methods:
             route.methods.add("HEAD")
+
+
+#: the methods the server's routes take, what ``OPTIONS *`` answers in ``Allow``
+SERVER_METHODS = "GET, HEAD, POST, OPTIONS"
+
+
+class AsteriskForm:
+    """ASGI middleware answering the asterisk-form request target (``*``), which names no
+    resource: ``OPTIONS *`` asks about the server in general (RFC 9110 section 9.3.7) and
+    is answered 200 with ``Allow`` and no body, as Go's net/http answers it; any other
+    method with it is a 400 ``request.invalid_target`` (RFC 9112 section 3.2.4: the form is
+    only for OPTIONS). Both were the 404 ``OPTIONS /*: no such route``, a path never sent."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("raw_path") != b"*":
+            await self.app(scope, receive, send)
+            return
+        method = scope["method"]
+        if method == "OPTIONS":
+            response: Response = Response(status_code=200,
+                                          headers={"allow": SERVER_METHODS})
+        else:
+            status = Status.failure(
+                "request.invalid_target", Category.INVALID_REQUEST, Phase.VALIDATE,
+                f"{method} *: the asterisk-form request target is only for OPTIONS (RFC 9112 "
+                "section 3.2.4); send a path, as docs/server.md lists them")
+            response = error_response(status, None, http_status=400)
+        await response(scope, receive, send)
 
 
 class OpenAICORS(CORSMiddleware):
