@@ -150,3 +150,27 @@ def test_another_method_with_the_asterisk_target_is_a_400_naming_it(served, meth
         assert error["code"] == "request.invalid_target", error
         assert error["message"].startswith(f"{method} *: "), error
         assert "/*" not in error["message"], error
+
+
+@pytest.mark.parametrize("line,named", [
+    (b"CONNECT x:443 HTTP/1.1", '"x:443"'),
+    (b"CONNECT example.com:80 HTTP/1.1", '"example.com:80"'),
+], ids=["short", "host-and-port"])
+def test_a_request_target_the_url_parser_refuses_is_a_400_naming_it(served, line, named):
+    """A request target the HTTP parser takes and uvicorn's URL parser refuses (the
+    authority-form ``host:port`` of a ``CONNECT``, which a client configured to use this
+    server as its proxy sends) was answered the bare ``Invalid HTTP request received.``,
+    saying nothing of what was refused. The 400 names the target now (still
+    ``request.malformed_http``, the connection closed)."""
+    import json
+
+    from test_server_support import split_head
+
+    server, _ = served
+    data, ended = send_raw(server.port, line + b"\r\nhost: x\r\n\r\n")
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400 "), data[:400]
+    error = json.loads(rest)["error"]
+    assert error["code"] == "request.malformed_http", error
+    assert named in error["message"], error
+    assert headers.get("connection") == "close" and ended in ("eof", "reset"), (headers, ended)

@@ -463,7 +463,8 @@ def abortable(protocol: type) -> type:
                     # uvicorn dropped: every refusal read "Invalid HTTP request received."
                     said = str(err).strip()[:120]
                     if said == "User callback error":  # (one of uvicorn's callbacks raised:
-                        said = ""  # a target its URL parser refuses; says nothing to a client)
+                        # a target its URL parser refuses; says nothing to a client)
+                        said = self._target_refused()
                     msg = ("Invalid HTTP request received." if framing is None and not said
                            else f"Invalid HTTP request received: {framing or said}.")
                     self.logger.warning(msg)
@@ -479,6 +480,25 @@ def abortable(protocol: type) -> type:
                     data = head + data[upgrade.args[0]:]
                     continue
                 return
+
+        def _target_refused(self) -> str:
+            """Why the request target failed uvicorn's URL parser (``httptools.parse_url``),
+            naming it, or "" when it parses (another callback raised): the authority-form
+            ``host:port`` of a ``CONNECT`` (a client taking this server for its proxy) was
+            answered the bare ``Invalid HTTP request received.``"""
+            import httptools
+
+            url = getattr(self, "url", None)
+            if not url:
+                return ""
+            try:
+                httptools.parse_url(url)
+            except httptools.HttpParserInvalidURLError:
+                shown = json.dumps(bytes(url).decode("latin-1"))[:80]
+                return (f"request target {shown}: not a path (/path) nor an absolute URL "
+                        "(RFC 9112 section 3.2; host:port is the form of CONNECT, for a "
+                        "proxy, which this server is not)")
+            return ""
 
         def _refuse_version(self, version: str) -> None:
             """Answer a request line of an HTTP version this server does not speak 505."""
