@@ -174,3 +174,27 @@ def test_a_request_target_the_url_parser_refuses_is_a_400_naming_it(served, line
     assert error["code"] == "request.malformed_http", error
     assert named in error["message"], error
     assert headers.get("connection") == "close" and ended in ("eof", "reset"), (headers, ended)
+
+
+@pytest.mark.parametrize("target", [b"/health?" + b"a" * (1 << 20),
+                                    b"/v1/models/" + b"m" * (2 << 20)],
+                         ids=["1-MiB-query", "2-MiB-path"])
+def test_a_request_target_over_the_head_bound_is_a_414_as_a_shorter_long_one(served, target):
+    """A request target over ``MAX_TARGET_BYTES`` is a 414 ``request.uri_too_long``
+    (docs/server.md), but one of 1 MiB (a GET carrying its data in the query) reached the
+    head's bound first, counted while the request line was still arriving, and was answered
+    431 ``request.head_too_large``, blaming header fields the request did not have. The 414
+    is the answer for any target over the limit now, its length given as at least what
+    arrived."""
+    import json
+
+    from test_server_support import split_head
+
+    server, _ = served
+    data, ended = send_raw(server.port, b"GET " + target + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 414 "), data[:400]
+    error = json.loads(rest)["error"]
+    assert error["code"] == "request.uri_too_long", error
+    assert "at least" in error["message"], error
+    assert headers.get("x-request-id") and ended in ("eof", "reset"), (headers, ended)

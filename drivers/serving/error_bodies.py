@@ -218,12 +218,15 @@ def head_too_large(limit: int, request_id: str) -> bytes:
                        f"{limit} bytes", request_id)
 
 
-def target_too_long(length: int, limit: int, request_id: str) -> bytes:
+def target_too_long(length: int, limit: int, request_id: str,
+                    at_least: bool = False) -> bytes:
     """The whole HTTP/1.1 response to a request line whose target (path and query) is
-    ``length`` bytes, over the ``limit`` the server parses: 414 (RFC 9112 section 3), code
-    ``request.uri_too_long``, ``connection: close``, written by the connection itself."""
+    ``length`` bytes (``at_least``: ``length`` arrived, the rest was never read), over the
+    ``limit`` the server parses: 414 (RFC 9112 section 3), code ``request.uri_too_long``,
+    ``connection: close``, written by the connection itself."""
+    size = f"at least {length}" if at_least else f"{length}"
     return raw_refusal(414, "URI Too Long", "request.uri_too_long",
-                       f"the request target (path and query) is {length} bytes, longer than "
+                       f"the request target (path and query) is {size} bytes, longer than "
                        f"the {limit} the server parses: send the data in a JSON body",
                        request_id)
 

@@ -340,6 +340,8 @@ def abortable(protocol: type) -> type:
         #: bytes received since the last request head ended (while one is being read)
         _head_bytes = 0
         _reading_head = True
+        #: the parser began the request whose head is being read (its ``url`` is this one's)
+        _head_started = False
         #: the refusal the connection answers (400, 431) once the requests before it are
         #: answered; nothing more is read once it is set (:meth:`_refuse`)
         _refusal: bytes | None = None
@@ -406,8 +408,16 @@ def abortable(protocol: type) -> type:
             if parses_heads and self._reading_head:
                 self._head_bytes += len(data)
                 if self._head_bytes > MAX_HEAD_BYTES:  # 431; nothing more is parsed
-                    self._refuse(error_bodies.head_too_large(MAX_HEAD_BYTES,
-                                                             uuid.uuid4().hex))
+                    # (a target over MAX_TARGET_BYTES is a 414 however long: a 1 MiB one
+                    # reached this bound first, its request line still arriving, and was
+                    # answered 431 for header fields it did not have; self.url is what the
+                    # parser gave of this head's target so far: on_message_begin reset it)
+                    url = getattr(self, "url", b"") if self._head_started else b""
+                    self._refuse(
+                        error_bodies.target_too_long(len(url), MAX_TARGET_BYTES,
+                                                     uuid.uuid4().hex, at_least=True)
+                        if len(url) > MAX_TARGET_BYTES else
+                        error_bodies.head_too_large(MAX_HEAD_BYTES, uuid.uuid4().hex))
                     return
             if not parses_heads:
                 super().data_received(data)
@@ -615,10 +625,15 @@ def abortable(protocol: type) -> type:
             if version_1_0 or self.cycle.waiting_for_100_continue:
                 answer_framing(self.cycle)
 
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_started = True
+
         def on_message_complete(self) -> None:
             if self._plain_head is not None:
                 return  # an upgrade's head, without its body: parsed again (_feed)
             self._reading_head = True  # the next request's head, from the next read on
+            self._head_started = False  # (its url is the answered request's until it begins)
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
