@@ -32,6 +32,7 @@ calexec_decode_burst_jobs_total             counter    jobs taken in decode burs
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_relay_submitted_total               counter    jobs inferred from the native relay (serve --native-relay)
 calexec_device_faults_total                 counter    category, code, raw; faults reported to the fault controller
+calexec_submit_retries_total                counter    raw (17); infer() answered busy, retried by the submitter
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
 calexec_resumes_total                       counter    cause; generations resumed on a fresh sequence
@@ -72,6 +73,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from calexec.contracts.codes import CalrtCode
 from calexec.contracts.status import Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.drivers.serving.executor_view import ServedExecutor
@@ -136,6 +138,12 @@ class _ExecutorCollector(Collector):
         for category, code, raw, n in snap.get("faults_reported", ()):
             faults.add_metric([category, code, "none" if raw is None else str(raw)], n)
         yield faults
+        retries = CounterMetricFamily("calexec_submit_retries",
+                                      "infer() calls the runtime refused as busy (raw CalRT "
+                                      "code) that the submitter retried after a back-off.",
+                                      labels=["raw"])
+        retries.add_metric([str(int(CalrtCode.DEVICE_BUSY))], snap.get("submit_retries", 0))
+        yield retries
         downgrades = CounterMetricFamily("calexec_pingpong_downgrades",
                                          "Automatic Phase B downgrades to in-flight capacity 1.")
         downgrades.add_metric([], snap["downgrades"])
