@@ -7,12 +7,18 @@ every wait bounded; nothing asserts a duration.
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+import needs  # noqa: E402
 from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.drivers.tools.chaos import chaos_executor  # noqa: E402
@@ -52,3 +58,187 @@ def test_a_busy_infer_the_submitter_retried_is_counted_with_its_raw_code(tmp_pat
     # retried, not a fault nor a failure (one that spent its retries is a fault, raw 17)
     assert _samples(after, "calexec_device_faults_total", "code") == {}
     assert _samples(after, "calexec_request_failures_total", "code") == {}
+
+
+#: (route, body, HTTP status, outcome in calexec_api_requests_total)
+TRAFFIC = [
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}, 200, "success"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": 2}, 200, "success"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 2, "n": 2}, 200, "success"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "stream": True}, 200, "success"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": 2, "stream": True}, 200,
+     "success"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": 2, "temperature": 9}, 400,
+     "refused"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": 2, "model": "other"}, 404,
+     "refused"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2, "n": 2}, 200, "success"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "refused"),
+]
+ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+
+def _totals(text: str) -> dict[str, float]:
+    """Each per-choice family summed, and ``calexec_api_requests_total`` by route/outcome."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "calexec_api_requests_total":
+                key = f"{s.labels['route']}/{s.labels['outcome']}"
+            elif s.name in ("calexec_requests_total", "calexec_request_success_total",
+                            "calexec_request_failures_total"):
+                key = s.name
+            else:
+                continue
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def test_every_completion_request_is_counted_once_by_outcome_whatever_its_choices(tmp_path):
+    """``calexec_requests_total``, ``_success_total`` and ``_failures_total`` count admitted
+    choices (and a refused request once): a request of ``n`` 2 counts 2, so no series
+    counted requests sent, nor a share of them failed. ``calexec_api_requests_total{route,
+    outcome}`` counts each HTTP request once (success, refused, failed), and the docs' sum
+    holds exactly: success + failures = requests + the refused ones."""
+    executor = chaos_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            start = _totals(http.get("/metrics").text)
+            # every series shows before its first request, at 0 (a rate() has a start)
+            assert {k: v for k, v in start.items() if "/" in k} == {
+                f"{r}/{o}": 0.0 for r in ROUTE.values() for o in ("success", "failed",
+                                                                   "refused")}
+            for path, body, status, outcome in TRAFFIC:
+                before = _totals(http.get("/metrics").text)
+                answer = http.post(path, json=body)
+                assert answer.status_code == status, (body, answer.text)
+                if body.get("stream"):
+                    assert answer.text.endswith("data: [DONE]\n\n"), answer.text
+                wait_for(lambda: server_idle(service), 20, "the server idle")
+                moved = _delta(_totals(http.get("/metrics").text), before)
+                assert moved.pop(f"{ROUTE[path]}/{outcome}") == 1, (body, moved)
+                assert not [k for k in moved if "/" in k], (body, moved)
+                assert (moved.get("calexec_request_success_total", 0)
+                        + moved.get("calexec_request_failures_total", 0)
+                        == moved.get("calexec_requests_total", 0)
+                        + (outcome == "refused")), (body, moved)
+            # an admitted request of 2 choices whose choice fails: failed, once
+            before = _totals(http.get("/metrics").text)
+            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+            failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                        "n": 2})
+            emu.clear_all_faults()
+            assert failed.status_code == 500, failed.text
+            wait_for(lambda: server_idle(service), 20, "the server idle")
+            moved = _delta(_totals(http.get("/metrics").text), before)
+            assert moved.pop("completions/failed") == 1, moved
+            assert not [k for k in moved if "/" in k], moved
+            assert moved["calexec_request_failures_total"] == moved["calexec_requests_total"]
+            end = _totals(http.get("/metrics").text)
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+    sent = len(TRAFFIC) + 1
+    assert sum(v for k, v in end.items() if "/" in k) == sent
+    refused = sum(v for k, v in end.items() if k.endswith("/refused"))
+    assert (end["calexec_request_success_total"] + end["calexec_request_failures_total"]
+            == end["calexec_requests_total"] + refused)
+
+
+OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
+#: the families the docs' queries read (their series go to promtool)
+QUERIED = ("calexec_api_requests_total", "calexec_request_failures_total",
+           "calexec_submit_retries_total", "calexec_requests_total",
+           "calexec_request_success_total")
+STEPS = 10  # samples a minute apart, from the idle scrape's values to the last scrape's
+
+
+def _doc_queries() -> list[str]:
+    block = re.search(r"^```promql\n(.*?)^```", OPERATIONS.read_text(), re.M | re.S)
+    assert block is not None, "docs/operations.md has no promql block"
+    return [line for line in block.group(1).splitlines()
+            if line.strip() and not line.startswith("#")]
+
+
+def _series(text: str) -> dict[str, float]:
+    """``name{labels}`` (PromQL selector syntax) -> value, of the ``QUERIED`` families."""
+    return {s.name + "{" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(s.labels.items()))
+            + "}": s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name in QUERIED}
+
+
+def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
+    """Each query of docs/operations.md's ``promql`` block, evaluated by ``promtool test
+    rules`` on the series a server exported (ramped a minute apart, from an idle scrape to
+    one after the traffic), gives what the clients saw: requests by outcome, the share not
+    answered whole, the choices failed after admission, the busy answers retried."""
+    promtool = needs.tool("promtool")
+    executor = chaos_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    seen = {"success": 0, "refused": 0, "failed": 0}
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            idle = http.get("/metrics").text
+            for path, body, status, outcome in TRAFFIC:
+                assert http.post(path, json=body).status_code == status, body
+                seen[outcome] += 1
+            assert emu.set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0, 17) == 0
+            assert http.post("/v1/completions", json={"prompt": [3], "max_tokens": 2}
+                             ).status_code == 200
+            seen["success"] += 1
+            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+            assert http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                      "n": 2}).status_code == 500
+            emu.clear_all_faults()
+            seen["failed"] += 1
+            wait_for(lambda: server_idle(service), 20, "the server idle")
+            last = http.get("/metrics").text
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+    before, after = _series(idle), _series(last)
+    seconds = STEPS * 60
+
+    def moved(name: str) -> float:
+        return sum(after[k] - before.get(k, 0.0) for k in after if k.startswith(name + "{"))
+    # admitted choices that failed: every admitted choice ends once, in success or failures
+    failed_choices = moved("calexec_requests_total") - moved("calexec_request_success_total")
+    expected = {  # query -> [(labels, value)] at the last step, scaled by 1e6 and rounded
+        "sum by (outcome) (rate(calexec_api_requests_total[5m]))":
+            [(f'{{outcome="{o}"}}', round(1e6 * n / seconds)) for o, n in seen.items()],
+        'sum(rate(calexec_api_requests_total{outcome!="success"}[5m])) / '
+        "sum(rate(calexec_api_requests_total[5m]))":
+            [("{}", round(1e6 * (seen["refused"] + seen["failed"]) / sum(seen.values())))],
+        "sum(rate(calexec_request_failures_total[5m])) - "
+        'sum(rate(calexec_api_requests_total{outcome="refused"}[5m]))':
+            [("{}", round(1e6 * failed_choices / seconds))],
+        "sum(rate(calexec_submit_retries_total[5m]))": [("{}", round(1e6 * 1 / seconds))],
+    }
+    assert failed_choices >= 1
+    assert sorted(_doc_queries()) == sorted(expected), "a documented query is unchecked"
+    series = [{"series": name, "values": f"{before.get(name, 0.0)!r}+"
+               f"{(value - before.get(name, 0.0)) / STEPS!r}x{STEPS}"}
+              for name, value in after.items()]
+    tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
+        {"expr": f"round(1e6 * ({query}))", "eval_time": f"{STEPS}m",
+         "exp_samples": [{"labels": labels, "value": value} for labels, value in samples]}
+        for query, samples in expected.items()]}]
+    spec = tmp_path / "dashboard_test.yml"
+    spec.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m",
+                                "tests": tests}))  # (JSON is YAML)
+    check = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr

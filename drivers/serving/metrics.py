@@ -19,6 +19,7 @@ calexec_job_device_wait_seconds             histogram  kind; time spent in Wait(
 calexec_job_h2d_seconds                     histogram  kind; host->device copy, when a job measured it
 calexec_job_d2h_seconds                     histogram  kind; device->host copy, when a job measured it
 calexec_job_postprocess_seconds             histogram  kind; output checks + BF16->FP32 conversion
+calexec_api_requests_total                  counter    route, outcome (success|failed|refused), model_name; requests
 calexec_requests_total                      counter    stream, model_name; completion requests (choices) admitted
 calexec_request_success_total               counter    finished_reason (stop|length), model_name
 calexec_request_failures_total              counter    category, code, raw (CalRT code or "none"), model_name
@@ -66,7 +67,8 @@ docs/server.md lists them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -401,6 +403,84 @@ class VllmMetrics:
             self.prefill_per_token.observe(max(0.0, spans["prefill"]) / prompt_tokens)
 
 
+#: the routes ``calexec_api_requests_total`` counts, by path: the label ``route``
+API_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+#: ``calexec_api_requests_total``'s outcomes: answered whole (a 200 body, a stream that sent
+#: ``[DONE]``); refused (a failure the route counted: never admitted, or a later choice of it
+#: refused admission); failed (anything else: an error after admission, a stream's error
+#: event, the client gone, a cut)
+API_OUTCOMES = ("success", "failed", "refused")
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Tally:
+    """What the route said of the request ``RequestTally`` counts (``refused``)."""
+
+    __slots__ = ("refused",)
+
+    def __init__(self) -> None:
+        self.refused = False
+
+
+#: the request (of ``API_ROUTES``) whose task this is: its refusal is marked here
+_TALLY: ContextVar[_Tally | None] = ContextVar("calexec_api_request", default=None)
+
+_Asgi = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+class RequestTally:
+    """ASGI middleware: each request of ``API_ROUTES`` counted once when its answer ends, in
+    ``calexec_api_requests_total{route, outcome}`` (``API_OUTCOMES``). The unit is the HTTP
+    request, whatever its choices (``n``, a prompt list), where ``calexec_requests_total``,
+    ``_request_success_total`` and ``_request_failures_total`` count admitted choices."""
+
+    def __init__(self, app: _Asgi, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        route = API_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        tally = _Tally()
+        token = _TALLY.set(tally)
+        status: int | None = None
+        stream = False
+        tail = b""
+        counted = False
+
+        def count(escaped: bool = False) -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                outcome = ("refused" if tally.refused or escaped
+                           else "success" if status == 200 and (not stream or tail == _DONE)
+                           else "failed")
+                self.metrics.api_requests.labels(route, outcome).inc()
+
+        async def counting_send(message: Any) -> None:
+            nonlocal status, stream, tail
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body":
+                if stream:
+                    tail = (tail + message.get("body", b""))[-len(_DONE):]
+                if not message.get("more_body", False):
+                    count()  # before the client can see the answer end
+            await send(message)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            count(escaped=True)  # a bug: the app's 500, counted as a failure by its handler
+            raise
+        finally:
+            _TALLY.reset(token)
+            count()  # (no last body sent: the client gone, a cut)
+
+
 class _WithModel:
     """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``."""
 
@@ -464,6 +544,14 @@ class ServerMetrics:
             kind: [(name, histogram.labels(kind.name.lower()))
                    for name, histogram in self.stages.items()] for kind in TaskKind}
         model = ["model_name"]
+        self.api_requests = _WithModel(Counter(
+            "calexec_api_requests", "Completion and chat HTTP requests by outcome, each once "
+            "whatever its choices: success (answered whole), refused (never admitted: "
+            "counted once in calexec_request_failures_total), failed (after admission).",
+            ["route", "outcome", *model], registry=reg), model_name)
+        for route in API_ROUTES.values():  # every series shows, 0 until counted
+            for outcome in API_OUTCOMES:
+                self.api_requests.labels(route, outcome)
         self.requests = _WithModel(Counter(
             "calexec_requests", "Completion requests (each choice) admitted: given a sequence "
             "id or a place in the waiting queue; one refused before is counted only in "
@@ -518,6 +606,14 @@ class ServerMetrics:
             total = timings.total_ms()
             if total is not None:
                 self.tpot.observe(total / 1000.0)
+
+    def observe_refusal(self, status: Status) -> None:
+        """A failure the route counts (not a choice's end): the request is ``refused`` in
+        ``calexec_api_requests_total`` (:class:`RequestTally`)."""
+        self.observe_failure(status)
+        tally = _TALLY.get()
+        if tally is not None:
+            tally.refused = True
 
     def observe_failure(self, status: Status) -> None:
         self.failures.labels("none" if status.category is None else status.category.value,

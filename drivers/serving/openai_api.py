@@ -1813,8 +1813,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     item = await state.take()
                 if state.failure is not None:
                     status, param, counted = state.failure
-                    if not counted:
-                        service.metrics.observe_failure(status)
+                    if not counted:  # (a later choice refused admission)
+                        service.metrics.observe_refusal(status)
                     if state.progress is not None:
                         state.progress({"error": status.code, "retryable":
                                         status.category in RESUMABLE or not service.ready,

@@ -56,6 +56,7 @@ from calexec.drivers.serving.error_bodies import (
     route_error,
 )
 from calexec.drivers.serving.executor_view import ServedExecutor
+from calexec.drivers.serving.metrics import RequestTally
 from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
@@ -119,6 +120,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                            expose_headers=["retry-after", wire.REQUEST_ID_HEADER],
                            max_age=600)
     app.add_middleware(AsteriskForm)
+    # each completion and chat request counted once, by outcome (calexec_api_requests_total)
+    app.add_middleware(RequestTally, metrics=service.metrics)
     # outside CORS: its preflight answers carry the id too
     app.add_middleware(wire.RequestIds)
 
@@ -143,7 +146,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         status = Status.failure("server.unexpected_error", Category.PROGRAMMING, Phase.VALIDATE,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
-        service.metrics.observe_failure(status)
+        service.metrics.observe_refusal(status)
         request_id = wire.request_id(request.scope)
         # the id the client was answered with, so its report finds the traceback that follows
         log.error("request %s: %s %s: unexpected %s (traceback below)", request_id,
@@ -155,8 +158,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
         """Error response of a completion request; counted unless it was counted already."""
         param = param or PARAM_OF_CODE.get(status.code)
-        if count:
-            service.metrics.observe_failure(status)
+        if count:  # (one the route counts, not a choice's end: a refusal)
+            service.metrics.observe_refusal(status)
         if error_bodies.own_deadline(status, http_status) and service.ready:
             # the request's own deadline (its ``timeout``, or the server's): sent again as
             # it is, it gets the same budget on the same server, which the SDKs' retries
