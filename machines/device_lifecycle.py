@@ -917,6 +917,13 @@ class DeviceLifecycle:
             "seconds": host.clock.monotonic() - t0,
             "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
         self.recoveries.append(record)
+        if calbin_path is None:  # (a model switch's outcome is its caller's to say)
+            # the fault's WARNING line said the recovery began: this one says how it ended
+            log.log(logging.INFO if status.ok else logging.WARNING,
+                    "recovery after %s %s: generation %s -> %s, lifecycle %s, reset=%s, "
+                    "%.3fs", reason.code, "done" if status.ok else f"failed ({status})",
+                    from_generation, record["to_generation"], record["lifecycle"],
+                    record.get("reset_kind"), record["seconds"])
         self._complete_owed_shutdown()
         return status
 

@@ -8,6 +8,7 @@ every wait bounded; nothing asserts a duration.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 from pathlib import Path
@@ -242,3 +243,33 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
     check = subprocess.run([promtool, "test", "rules", str(spec)], capture_output=True,
                            text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_end_of_a_fault_recovery_is_logged_with_its_generation(tmp_path, caplog):
+    """A fault's WARNING line says a recovery begins (``-> reset_rebuild``); its end wrote
+    nothing (a model switch's end has the admin's line), so the log of a recovered device
+    never said when, in what state, or at which generation it served again. One line now:
+    ``recovery after <code> done: generation 1 -> 2, lifecycle Ready, reset=KIND, <s>s``."""
+    executor = chaos_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    try:
+        with caplog.at_level(logging.INFO, logger="calexec"), ServeLikeServer(app) as server, \
+                httpx.Client(base_url=server.url, timeout=30) as http:
+            assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+            answer = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                        "timeout": 20})
+            emu.clear_all_faults()
+            assert answer.status_code == 200, answer.text  # resumed on generation 2
+            wait_for(lambda: http.get("/ready").status_code == 200, 20, "/ready 200")
+            wait_for(lambda: any(r.getMessage().startswith("recovery after")
+                                 for r in caplog.records), 20, "the recovery's line")
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+    ends = [r for r in caplog.records if r.getMessage().startswith("recovery after")]
+    assert len(ends) == 1, [r.getMessage() for r in ends]
+    assert ends[0].levelno == logging.INFO
+    assert re.fullmatch(r"recovery after device\.ccu_exception done: generation 1 -> 2, "
+                        r"lifecycle Ready, reset=\w+, \d+\.\d{3}s", ends[0].getMessage()), (
+        ends[0].getMessage())
