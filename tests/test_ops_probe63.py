@@ -144,6 +144,11 @@ def test_every_completion_request_is_counted_once_by_outcome_whatever_its_choice
             assert moved.pop("completions/failed") == 1, moved
             assert not [k for k in moved if "/" in k], moved
             assert moved["calexec_request_failures_total"] == moved["calexec_requests_total"]
+            # another method (a CORS preflight's OPTIONS, a GET: 405) asks for no completion
+            before = _totals(http.get("/metrics").text)
+            assert http.get("/v1/completions").status_code == 405
+            assert http.options("/v1/chat/completions").status_code == 405
+            assert _delta(_totals(http.get("/metrics").text), before) == {}
             end = _totals(http.get("/metrics").text)
     finally:
         emu.clear_all_faults()

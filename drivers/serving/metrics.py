@@ -439,7 +439,9 @@ class RequestTally:
         self.metrics = metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        route = API_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        # (a POST: a CORS preflight or a wrong method answers no completion request)
+        route = (API_ROUTES.get(scope.get("path", ""))
+                 if scope["type"] == "http" and scope.get("method") == "POST" else None)
         if route is None:
             await self.app(scope, receive, send)
             return
