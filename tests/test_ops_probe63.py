@@ -164,7 +164,13 @@ OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 #: the families the docs' queries read (their series go to promtool)
 QUERIED = ("calexec_api_requests_total", "calexec_request_failures_total",
            "calexec_submit_retries_total", "calexec_requests_total",
-           "calexec_request_success_total")
+           "calexec_request_success_total", "calexec_device_faults_total")
+#: the docs' alert on device faults, and the plain form it replaces (checked to miss a kind's
+#: first fault: the series appears with it, so increase() sees nothing rise)
+FAULT_ALERT = ("sum by (code) (increase(calexec_device_faults_total[10m])) > 0 or "
+               "sum by (code) (calexec_device_faults_total unless calexec_device_faults_total "
+               "offset 10m)")
+PLAIN_ALERT = "sum by (code) (increase(calexec_device_faults_total[10m])) > 0"
 STEPS = 10  # samples a minute apart, from the idle scrape's values to the last scrape's
 
 
@@ -187,7 +193,10 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
     """Each query of docs/operations.md's ``promql`` block, evaluated by ``promtool test
     rules`` on the series a server exported (ramped a minute apart, from an idle scrape to
     one after the traffic), gives what the clients saw: requests by outcome, the share not
-    answered whole, the choices failed after admission, the busy answers retried."""
+    answered whole, the choices failed after admission, the busy answers retried, and the
+    alert on a device fault fires for the first fault of its kind. A series the idle scrape
+    lacks ramps from 0 (a long-running server's exists by then), except the faults': a kind's
+    series appears at its first fault (absent, then there), as a scrape sees it."""
     promtool = needs.tool("promtool")
     executor = chaos_executor(tmp_path)
     emu = executor.device.emu
@@ -222,6 +231,9 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
         return sum(after[k] - before.get(k, 0.0) for k in after if k.startswith(name + "{"))
     # admitted choices that failed: every admitted choice ends once, in success or failures
     failed_choices = moved("calexec_requests_total") - moved("calexec_request_success_total")
+    faults = {s.labels["code"]: s.value for f in text_string_to_metric_families(last)
+              for s in f.samples if s.name == "calexec_device_faults_total"}
+    assert faults and not [k for k in before if k.startswith("calexec_device_faults_total")]
     expected = {  # query -> [(labels, value)] at the last step, scaled by 1e6 and rounded
         "sum by (outcome) (rate(calexec_api_requests_total[5m]))":
             [(f'{{outcome="{o}"}}', round(1e6 * n / seconds)) for o, n in seen.items()],
@@ -232,16 +244,21 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
         'sum(rate(calexec_api_requests_total{outcome="refused"}[5m]))':
             [("{}", round(1e6 * failed_choices / seconds))],
         "sum(rate(calexec_submit_retries_total[5m]))": [("{}", round(1e6 * 1 / seconds))],
+        FAULT_ALERT: [(f'{{code="{code}"}}', round(1e6 * n)) for code, n in faults.items()],
     }
     assert failed_choices >= 1
     assert sorted(_doc_queries()) == sorted(expected), "a documented query is unchecked"
-    series = [{"series": name, "values": f"{before.get(name, 0.0)!r}+"
+    half = STEPS // 2
+    series = [{"series": name, "values": f"_x{half} {value!r}x{STEPS - half}"}
+              if name.startswith("calexec_device_faults_total") else
+              {"series": name, "values": f"{before.get(name, 0.0)!r}+"
                f"{(value - before.get(name, 0.0)) / STEPS!r}x{STEPS}"}
               for name, value in after.items()]
+    checks = {**expected, PLAIN_ALERT: []}
     tests = [{"interval": "1m", "input_series": series, "promql_expr_test": [
         {"expr": f"round(1e6 * ({query}))", "eval_time": f"{STEPS}m",
          "exp_samples": [{"labels": labels, "value": value} for labels, value in samples]}
-        for query, samples in expected.items()]}]
+        for query, samples in checks.items()]}]
     spec = tmp_path / "dashboard_test.yml"
     spec.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m",
                                 "tests": tests}))  # (JSON is YAML)
