@@ -76,8 +76,15 @@ TRAFFIC = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "max_tokens": 2, "n": 2}, 200, "success"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "refused"),
+    # the Responses API, on the chat path: counted as chat is (a stream answered whole ends
+    # with response.completed, or response.incomplete when max_output_tokens cut it)
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}, 200, "success"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "stream": True}, 200,
+     "success"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, 400, "refused"),
 ]
-ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+         "/v1/responses": "responses"}
 
 
 def _totals(text: str) -> dict[str, float]:
@@ -123,7 +130,9 @@ def test_every_completion_request_is_counted_once_by_outcome_whatever_its_choice
                 answer = http.post(path, json=body)
                 assert answer.status_code == status, (body, answer.text)
                 if body.get("stream"):
-                    assert answer.text.endswith("data: [DONE]\n\n"), answer.text
+                    assert answer.text.endswith("data: [DONE]\n\n") or re.search(
+                        r"(^|\n\n)event: response\.(completed|incomplete)\ndata: [^\n]*\n\n$",
+                        answer.text), answer.text
                 wait_for(lambda: server_idle(service), 20, "the server idle")
                 moved = _delta(_totals(http.get("/metrics").text), before)
                 assert moved.pop(f"{ROUTE[path]}/{outcome}") == 1, (body, moved)

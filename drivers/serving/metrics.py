@@ -404,13 +404,18 @@ class VllmMetrics:
 
 
 #: the routes ``calexec_api_requests_total`` counts, by path: the label ``route``
-API_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+API_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+              "/v1/responses": "responses"}
 #: ``calexec_api_requests_total``'s outcomes: answered whole (a 200 body, a stream that sent
-#: ``[DONE]``); refused (a failure the route counted: never admitted, or a later choice of it
+#: ``[DONE]``, or a Responses stream its ``response.completed`` / ``response.incomplete``
+#: event: ``_WHOLE``); refused (a failure the route counted: never admitted, or a later choice of it
 #: refused admission); failed (anything else: an error after admission, a stream's error
 #: event, the client gone, a cut)
 API_OUTCOMES = ("success", "failed", "refused")
 _DONE = b"data: [DONE]\n\n"
+#: a Responses stream's last event when it was answered whole (drivers/serving/responses_api.py;
+#: an event's name line starts a frame, and a JSON ``data`` line holds no bare newline)
+_WHOLE = (b"event: response.completed\n", b"event: response.incomplete\n")
 
 
 class _Tally:
@@ -450,6 +455,7 @@ class RequestTally:
         status: int | None = None
         stream = False
         tail = b""
+        whole = False  # a Responses stream sent its last event (_WHOLE)
         counted = False
 
         def count(escaped: bool = False) -> None:
@@ -457,19 +463,23 @@ class RequestTally:
             if not counted:
                 counted = True
                 outcome = ("refused" if tally.refused or escaped
-                           else "success" if status == 200 and (not stream or tail == _DONE)
+                           else "success" if status == 200 and (not stream or tail == _DONE
+                                                                or whole)
                            else "failed")
                 self.metrics.api_requests.labels(route, outcome).inc()
 
         async def counting_send(message: Any) -> None:
-            nonlocal status, stream, tail
+            nonlocal status, stream, tail, whole
             if message["type"] == "http.response.start":
                 status = message["status"]
                 stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                              for k, v in message.get("headers", ()))
             elif message["type"] == "http.response.body":
                 if stream:
-                    tail = (tail + message.get("body", b""))[-len(_DONE):]
+                    body = message.get("body", b"")
+                    tail = (tail + body)[-len(_DONE):]
+                    whole = whole or (route == "responses" and any(
+                        body.startswith(end) or b"\n\n" + end in body for end in _WHOLE))
                 if not message.get("more_body", False):
                     count()  # before the client can see the answer end
             await send(message)
