@@ -272,7 +272,11 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
     (``additionalProperties`` other than false, ``patternProperties``), or none declares a
     key. xgrammar itself answers an ``allOf`` of several members with any JSON value (a
     warning, "Support for allOf with multiple options is still ongoing") and one of one
-    member as that member, closed: this keeps what a client means, the declared keys.
+    member as that member, closed: this keeps what a client means, the declared keys. An
+    ``anyOf``/``oneOf`` beside the object's own ``properties`` (or beside
+    ``unevaluatedProperties``), and an ``if`` beside ``unevaluatedProperties``, is closed the
+    same way (:func:`_merging`); each ``anyOf``/``oneOf`` branch of a parent so closed allows
+    its own keys and those declared beside it (:meth:`_Closer.close_branches`).
 
     A copy: the request's schema is left as it was. A ``pattern`` and a ``patternProperties``
     key are anchored (:func:`anchored`), as xgrammar matches them. The walk is bounded by the
@@ -282,6 +286,27 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
 
 #: where the open copies of allOf members' definitions go (in the root's ``$defs``)
 _OPEN_PREFIX = "open."
+#: the most ``anyOf``/``oneOf`` groups of one merged parent whose branches are each closed
+#: (:meth:`_Closer.close_branches`; past them a branch takes the parent's union, looser)
+GROUPS_MAX = 64
+
+
+def _merging(schema: dict[str, Any]) -> bool:
+    """Whether ``schema`` is closed at itself on the keys its members declare
+    (:meth:`_Closer.close_merged`), its members left open: an ``allOf``; a ``$ref`` beside
+    its own ``properties``; an ``anyOf``/``oneOf`` beside its own ``properties`` (common
+    keys and variants: the parent closed on its own keys and each branch on its own refused
+    every object holding both, a 400 ``required property 'c' is unsatisfiable``) or beside
+    ``unevaluatedProperties``; an ``if`` beside ``unevaluatedProperties``."""
+    if isinstance(schema.get("allOf"), list):
+        return True
+    own = isinstance(schema.get("properties"), dict)
+    if isinstance(schema.get("$ref"), str) and own:
+        return True
+    if any(isinstance(schema.get(key), list) for key in ("anyOf", "oneOf")):
+        return (own or "unevaluatedProperties" in schema) \
+            and not isinstance(schema.get("patternProperties"), dict)
+    return "if" in schema and "unevaluatedProperties" in schema
 
 
 class _Closer:
@@ -308,8 +333,7 @@ class _Closer:
             return [self.closed(item) for item in schema]
         if not isinstance(schema, dict):
             return schema
-        merging = isinstance(schema.get("allOf"), list) or (
-            isinstance(schema.get("$ref"), str) and isinstance(schema.get("properties"), dict))
+        merging = _merging(schema)
         out: dict[str, Any] = {}
         for key, value in schema.items():
             if key == "patternProperties" and isinstance(value, dict):
@@ -319,7 +343,7 @@ class _Closer:
             elif key == "pattern" and isinstance(value, str):
                 out[key] = anchored(value)
             elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list) \
-                    and (key == "allOf" or not closing):
+                    and (key == "allOf" or merging or not closing):
                 out[key] = [self.closed(sub, closing=False) for sub in value]
             elif key == "$ref" and isinstance(value, str) and (merging or not closing):
                 out[key] = self.open_ref(value)
@@ -348,27 +372,118 @@ class _Closer:
         return out
 
     def close_merged(self, schema: dict[str, Any], out: dict[str, Any]) -> None:
-        """Close an ``allOf`` parent (or a ``$ref`` beside properties) on the union of the keys
-        its members declare, unless it or a member says otherwise."""
+        """Close a merged parent (:func:`_merging`) on the union of the keys its members
+        declare, unless it or a member says otherwise; and each ``anyOf``/``oneOf`` branch
+        among them on its own keys and those declared beside it (:meth:`close_branches`)."""
         if "additionalProperties" in out or out.get("unevaluatedProperties", False) is not False:
             return
         own = out.get("properties")
         names: set[str] = set(own) if isinstance(own, dict) else set()
         said_open = False
+        enforced: set[str] = set()  # the keys a member llguidance intersects declares
         self.walking.add(id(schema))
         for member in self.members(schema):
             more, member_open = self.keys(member)
             names.update(more)
             said_open = said_open or member_open
+            if not any(member is schema.get(key) for key in ("if", "then", "else")):
+                enforced.update(more)
         self.walking.discard(id(schema))
         if said_open or not names:
             return
+        # llguidance ignores if/then/else: a key only they declare takes one of the shapes
+        # they give it (present, its branch applies: the condition's outcome is not known)
+        shapes: dict[str, list[Any]] = {}
+        for key in ("if", "then", "else"):
+            declared = out.get(key, {}).get("properties") if isinstance(out.get(key), dict) \
+                else None
+            for name, shape in (declared.items() if isinstance(declared, dict) else ()):
+                shapes.setdefault(name, []).append(shape)
         properties = dict(own) if isinstance(own, dict) else {}
         for name in sorted(names - set(properties)):
-            properties[name] = {}
+            given = shapes.get(name, []) if name not in enforced else []
+            properties[name] = given[0] if len(given) == 1 else {"anyOf": given} if given \
+                else {}
         out["properties"] = properties
         out.pop("unevaluatedProperties", None)
         out["additionalProperties"] = False
+        self.close_branches(schema, out)
+
+    def close_branches(self, schema: dict[str, Any], out: dict[str, Any]) -> None:
+        """Each ``anyOf``/``oneOf`` branch of a closed merged parent allows its own keys and
+        those declared beside its group (the parent's, the other members'), not the other
+        branches': the parent's union alone let an object take a key of one branch with
+        another branch's shape (``{"b": 1, "c": true, "a": 5}`` where ``a`` is branch A's
+        string, branch B holding). The parent's own groups are rewritten in place; a group in
+        an ``allOf`` member or a ``$ref``'d definition (shared, open) is repeated, its branches
+        so closed, as one more ``allOf`` member of the parent (llguidance intersects them)."""
+        if isinstance(schema.get("patternProperties"), dict):
+            return  # its keys are the parent's too: each branch takes the parent's union
+        extra: list[Any] = []
+        for group, own in self.groups(schema):
+            beside = self.keys_beside(schema, group)
+            if own:
+                out[own] = [self.only(done, branch, beside)
+                            for branch, done in zip(group, out[own])]
+            else:
+                extra.append({"anyOf": [self.only(self.closed(branch, closing=False), branch,
+                                                  beside) for branch in group]})
+        if extra:
+            members = out.get("allOf")
+            out["allOf"] = [*(members if isinstance(members, list) else []), *extra]
+
+    def groups(self, schema: dict[str, Any]) -> list[tuple[list[Any], str]]:
+        """The ``anyOf``/``oneOf`` lists a merged parent's value must satisfy one branch of:
+        its own (with their key) and those of its ``allOf`` members and ``$ref``'d
+        definitions, theirs too (key ""), not those within a branch (bounded: at most
+        :data:`GROUPS_MAX`, each schema looked at once)."""
+        found: list[tuple[list[Any], str]] = []
+        seen: set[int] = set()
+        todo: list[tuple[Any, bool]] = [(schema, True)]
+        while todo and len(found) < GROUPS_MAX:
+            node, top = todo.pop(0)
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for key in ("anyOf", "oneOf"):
+                if isinstance(node.get(key), list):
+                    found.append((node[key], key if top else ""))
+            if isinstance(node.get("allOf"), list):
+                todo.extend((member, False) for member in node["allOf"])
+            if isinstance(node.get("$ref"), str):
+                todo.append((self.resolve(node["$ref"]), False))
+        return found[:GROUPS_MAX]
+
+    def keys_beside(self, schema: dict[str, Any], group: list[Any]) -> frozenset[str]:
+        """The keys ``schema`` declares (its own, its members', their definitions') but for
+        those only ``group``'s branches declare."""
+        names: set[str] = set()
+        seen: set[int] = set()
+        todo: list[Any] = [schema]
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, dict) or id(node) in seen:
+                continue
+            seen.add(id(node))
+            properties = node.get("properties")
+            if isinstance(properties, dict):
+                names.update(properties)
+            for key in ("allOf", "anyOf", "oneOf"):
+                if isinstance(node.get(key), list) and node[key] is not group:
+                    todo.extend(node[key])
+            todo.extend(node.get(key) for key in ("if", "then", "else"))
+            if isinstance(node.get("$ref"), str):
+                todo.append(self.resolve(node["$ref"]))
+        return frozenset(names)
+
+    def only(self, branch: Any, given: Any, beside: frozenset[str]) -> Any:
+        """``branch`` (its open rewrite) allowing no key but its own and ``beside``; as it
+        is when ``given`` says other keys are allowed or is no schema object."""
+        names, said_open = self.keys(given)
+        if said_open or not isinstance(branch, dict) or not isinstance(given, dict):
+            return branch
+        return {"allOf": [branch], "properties": {name: {} for name in sorted(names | beside)},
+                "additionalProperties": False}
 
     def keys(self, schema: Any) -> tuple[frozenset[str], bool]:
         """(the keys ``schema`` declares, its own and its members', whether one of them says
@@ -395,12 +510,14 @@ class _Closer:
         return found
 
     def members(self, schema: dict[str, Any]) -> list[Any]:
-        """What ``schema``'s value must also be: its ``allOf``/``anyOf``/``oneOf`` members and
-        what its ``$ref`` points to."""
+        """What ``schema``'s value must also be: its ``allOf``/``anyOf``/``oneOf`` members,
+        its ``if``/``then``/``else`` (which llguidance ignores: their keys are declared keys
+        all the same) and what its ``$ref`` points to."""
         found: list[Any] = []
         for key in ("allOf", "anyOf", "oneOf"):
             if isinstance(schema.get(key), list):
                 found.extend(schema[key])
+        found.extend(schema[key] for key in ("if", "then", "else") if key in schema)
         if isinstance(schema.get("$ref"), str):
             found.append(self.resolve(schema["$ref"]))
         return found
@@ -519,15 +636,74 @@ def _finite(schema: Any, param: str) -> None:
                                       "as a number's range bound it cannot compile it): "
                                       "write a larger one, or leave it out")
         if isinstance(value, int) and not isinstance(value, bool) and not _takes(value):
+            if value < INT_LOW:  # -2**70 is a double: the doubles are not why
+                why, fix = ("below -2^63+2048: as a const, an enum member or a range bound "
+                            "it crashed llguidance's grammar compiler"), "a larger one"
+            elif value >= INT_HIGH:
+                why, fix = "2^64 or more: past its 64-bit integers", "a smaller one"
+            else:
+                why, fix = ("it reads a schema's numbers as doubles, from -2^63+2048 to "
+                            "2^64: 9007199254740993 became 9007199254740992, a value the "
+                            "schema did not allow"), "one a double holds"
             raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance cannot "
-                                      "take as written (it reads a schema's numbers as "
-                                      "doubles, from -2^63+2048 to 2^64: 9007199254740993 "
-                                      "became 9007199254740992, a value the schema did not "
-                                      "allow): write one a double holds, or leave it out")
+                                      f"take as written ({why}): write {fix}, or leave it out")
         if isinstance(value, dict):
             todo.extend((f"{where}.{key}", item) for key, item in value.items())
         elif isinstance(value, list):
             todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+
+
+#: llguidance 1.9.1 holds an integer's range (and an integer ``const``/``enum``, which it
+#: writes as one) in 64-bit signed integers, capping a bound at 2^63-1 without a word
+INT64_MAX = 2 ** 63 - 1
+
+
+def _integer_bounds(schema: Any, param: str) -> None:
+    """Refuse a bound of an integer llguidance caps at 2^63-1 (:data:`INT64_MAX`): ``{"type":
+    "integer", "const": 9223372036854775808}`` (an ``enum`` member, a ``minimum``, an
+    ``exclusiveMinimum`` of 2^63-1 alike; ``1e19`` as a float too) was answered
+    ``9223372036854775807``, ``finish_reason: stop``, a value the schema does not allow, and a
+    ``maximum`` of 2^64-1 (an unsigned 64-bit range) served half its range. A node says it may
+    be an integer by its ``type``; a node of no ``type`` may be one where the schema declares
+    an integer anywhere (its type may come from a parent or an ``allOf`` member, as in
+    ``{"allOf": [{"type": "integer"}, {"const": 1e19}]}``). An integer from 2^64 up is left to
+    :func:`_finite` (llguidance cannot take it at all). The walk is bounded by the body's own
+    nesting limit; values (``const``, ``enum``, ``default``, ``examples``) are not walked as
+    schemas."""
+    integers = '"integer"' in json.dumps(schema)
+    todo: list[tuple[str, Any]] = [(param, schema)]
+    while todo:
+        where, node = todo.pop()
+        if isinstance(node, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        kinds = types if isinstance(types, list) else [types]
+        if "integer" in kinds or (types is None and integers):
+            found = [(key, node[key], INT64_MAX - (key == "exclusiveMinimum")
+                      + (key == "exclusiveMaximum"))
+                     for key in ("const", "minimum", "maximum", "exclusiveMinimum",
+                                 "exclusiveMaximum") if key in node]
+            members = node.get("enum")
+            if isinstance(members, list):
+                found.extend((f"enum[{i}]", value, INT64_MAX) for i, value in enumerate(members))
+            for key, value, most in found:
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value) and most < value \
+                        and not (isinstance(value, int) and value >= INT_HIGH):  # _finite's
+                    raise GrammarError(param, f"{where}.{key}={shown(value)}: an integer bound "
+                                              "llguidance caps at 2^63-1 (it holds an "
+                                              "integer's range, const and enum in 64-bit "
+                                              "signed integers: a const of "
+                                              "9223372036854775808 was answered "
+                                              "9223372036854775807, a value the schema does "
+                                              "not allow): write one of at most "
+                                              "9223372036854774784 (the largest integer "
+                                              "below 2^63 a double holds), or leave it out")
+        todo.extend((f"{where}.{key}", item) for key, item in node.items()
+                    if key not in VALUE_KEYS)
 
 
 def _admits_a_value(grammar: str, tokenizer: Any, param: str) -> str:
@@ -558,6 +734,7 @@ def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(param, f"{param}: must be a JSON Schema object, got "
                                   f"{type(schema).__name__}")
+    _integer_bounds(schema, param)
     _finite(schema, param)
     try:
         options: Any = {**JSON_OPTIONS, "lenient": not strict}  # llguidance's JsonCompileOptions
