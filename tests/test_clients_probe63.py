@@ -30,11 +30,12 @@ def served(tmp_path_factory):
         yield server, sdk
 
 
-def _answer(sdk: openai.OpenAI, schema: dict, how: str, seed: int) -> tuple[dict, str]:
+def _answer(sdk: openai.OpenAI, schema: dict, how: str, seed: int, max_tokens: int = 80
+            ) -> tuple[dict, str]:
     """(the JSON answered, finish_reason) of ``schema`` as a ``response_format`` or as the
     parameters of a named tool's call, sampled with ``seed``."""
     asked = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-             "max_tokens": 80, "seed": seed, "temperature": 1.0}
+             "max_tokens": max_tokens, "seed": seed, "temperature": 1.0}
     if how == "response_format":
         answer = sdk.chat.completions.create(
             **asked, response_format={"type": "json_schema",
@@ -138,13 +139,32 @@ def test_closed_schema_closes_each_branch_on_its_keys_and_those_beside_it():
     assert out["anyOf"] == [A, open_b], out  # its branches left open, as given
     out = closed_schema({**C, "anyOf": [A, B]})
     assert out["additionalProperties"] is False, out
-    first, second = out["anyOf"]
-    assert first["properties"] == {"a": {}, "c": {}} and first["additionalProperties"] is False
-    assert first["allOf"] == [A] and second["properties"] == {"b": {}, "c": {}}, out
-    out = closed_schema({"allOf": [{"anyOf": [A, B]}, C]})
-    assert out["allOf"][:2] == [{"anyOf": [A, B]}, C], out  # the members as given, open
-    assert [branch["properties"] for branch in out["allOf"][2]["anyOf"]] == [
-        {"a": {}, "c": {}}, {"b": {}, "c": {}}], out
+    assert out["anyOf"] == [{**A, "properties": {**A["properties"], "c": {}},
+                              "additionalProperties": False},
+                             {**B, "properties": {**B["properties"], "c": {}},
+                              "additionalProperties": False}], out
+    out = closed_schema({"allOf": [{"anyOf": [A, B]}, C]})  # an inline member's, in place
+    assert out["allOf"][1] == C and len(out["allOf"]) == 2, out
+    assert [(branch["properties"], branch["additionalProperties"])
+            for branch in out["allOf"][0]["anyOf"]] == [
+        ({**A["properties"], "c": {}}, False), ({**B["properties"], "c": {}}, False)], out
+    out = closed_schema(REFERENCED)  # a definition's (shared): repeated as one more member
+    assert [sorted(branch["properties"]) for branch in out["allOf"][2]["anyOf"]] == [
+        ["a", "c"], ["b", "c"]], out
+
+
+def test_branches_closing_into_a_schema_too_large_take_the_union(served):
+    """Closed branches are larger, and llguidance intersects an ``allOf``'s ``anyOf``
+    members branch by branch: two groups of 40 and 5 branches, served until now, were "schema
+    too large" once each branch was closed. Such a schema keeps the parent's union (as
+    served until stop 63) rather than becoming a 400."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    branches = [{"properties": {f"k{i}": {"type": "boolean"}, "kind": {"const": f"v{i}"}},
+                 "required": ["kind", f"k{i}"]} for i in range(40)]
+    schema = {"type": "object", "allOf": [{"anyOf": branches}, {"anyOf": branches[:5]}, C]}
+    value, finish = _answer(sdk, schema, "response_format", 0, max_tokens=400)
+    assert finish == "stop" and isinstance(value["c"], bool), value
 
 
 @pytest.mark.parametrize("schema,where", [

@@ -280,8 +280,32 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
 
     A copy: the request's schema is left as it was. A ``pattern`` and a ``patternProperties``
     key are anchored (:func:`anchored`), as xgrammar matches them. The walk is bounded by the
-    body's own nesting limit and each definition is walked once."""
-    return _Closer(schema).root(closing)
+    body's own nesting limit and each definition is walked once. When closing the branches
+    makes a schema llguidance refuses as too large (it intersects an ``allOf``'s ``anyOf``
+    members branch by branch, and closed branches are larger: two groups of 40 and 5
+    branches), the branches take the parent's union instead (looser: the schema as it was
+    served until stop 63)."""
+    closer = _Closer(schema)
+    out = closer.root(closing)
+    if closer.narrowed and _too_large(out):
+        return _Closer(schema, exact=False).root(closing)
+    return out
+
+
+def _too_large(schema: Any) -> bool:
+    """Whether llguidance refuses ``schema`` as too large (False without llguidance: no
+    grammar is compiled then, the request is refused naming the package)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        return False
+    try:
+        options: Any = {**JSON_OPTIONS, "lenient": True}  # llguidance's JsonCompileOptions
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except ValueError:
+        return False  # refused for another reason: the compile names it
+    error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    return bool(error) and any("too large" in message for message in messages)
 
 
 #: where the open copies of allOf members' definitions go (in the root's ``$defs``)
@@ -289,6 +313,10 @@ _OPEN_PREFIX = "open."
 #: the most ``anyOf``/``oneOf`` groups of one merged parent whose branches are each closed
 #: (:meth:`_Closer.close_branches`; past them a branch takes the parent's union, looser)
 GROUPS_MAX = 64
+#: the most combinations of branches llguidance is asked to intersect for the repeated
+#: groups of ``$ref``'d definitions (it distributes an ``allOf`` over its ``anyOf`` members:
+#: two groups of 10 and 5 repeated were 2,500, "schema too large")
+BRANCHES_MAX = 256
 
 
 def _merging(schema: dict[str, Any]) -> bool:
@@ -314,8 +342,10 @@ class _Closer:
     copies of the definitions made so far, and the keys each schema declares (by identity:
     every schema is looked at once however many members refer to it)."""
 
-    def __init__(self, root: Any) -> None:
+    def __init__(self, root: Any, exact: bool = True) -> None:
         self.given = root
+        self.exact = exact  # close each anyOf/oneOf branch of a merged parent on its keys
+        self.narrowed = False  # a branch was so closed
         self.opened: dict[str, str] = {}  # a $ref -> the $defs name of its open copy
         self.copies: dict[str, Any] = {}  # that name -> the open copy
         self.declared: dict[int, tuple[frozenset[str], bool]] = {}
@@ -414,44 +444,58 @@ class _Closer:
         those declared beside its group (the parent's, the other members'), not the other
         branches': the parent's union alone let an object take a key of one branch with
         another branch's shape (``{"b": 1, "c": true, "a": 5}`` where ``a`` is branch A's
-        string, branch B holding). The parent's own groups are rewritten in place; a group in
-        an ``allOf`` member or a ``$ref``'d definition (shared, open) is repeated, its branches
-        so closed, as one more ``allOf`` member of the parent (llguidance intersects them)."""
-        if isinstance(schema.get("patternProperties"), dict):
+        string, branch B holding). A group of the parent or of an inline ``allOf`` member is
+        rewritten in place (its rewrite is this parent's alone); a group in a ``$ref``'d
+        definition (its open copy shared) is repeated, its branches so closed, as one more
+        ``allOf`` member of the parent, unless that takes llguidance's intersection of the
+        groups past :data:`BRANCHES_MAX` combinations (then its branches take the union)."""
+        if isinstance(schema.get("patternProperties"), dict) or not self.exact:
             return  # its keys are the parent's too: each branch takes the parent's union
+        found = self.groups(schema, out)
+        combinations = math.prod(len(group) for group, _, _ in found)
         extra: list[Any] = []
-        for group, own in self.groups(schema):
+        for group, holder, key in found:
             beside = self.keys_beside(schema, group)
-            if own:
-                out[own] = [self.only(done, branch, beside)
-                            for branch, done in zip(group, out[own])]
-            else:
+            if holder is not None:
+                holder[key] = [self.only(done, branch, beside)
+                               for branch, done in zip(group, holder[key])]
+            elif combinations * len(group) <= BRANCHES_MAX:
+                combinations *= len(group)
                 extra.append({"anyOf": [self.only(self.closed(branch, closing=False), branch,
                                                   beside) for branch in group]})
         if extra:
             members = out.get("allOf")
             out["allOf"] = [*(members if isinstance(members, list) else []), *extra]
 
-    def groups(self, schema: dict[str, Any]) -> list[tuple[list[Any], str]]:
+    def groups(self, schema: dict[str, Any], out: dict[str, Any]
+               ) -> list[tuple[list[Any], dict[str, Any] | None, str]]:
         """The ``anyOf``/``oneOf`` lists a merged parent's value must satisfy one branch of:
-        its own (with their key) and those of its ``allOf`` members and ``$ref``'d
-        definitions, theirs too (key ""), not those within a branch (bounded: at most
-        :data:`GROUPS_MAX`, each schema looked at once)."""
-        found: list[tuple[list[Any], str]] = []
+        its own and those of its ``allOf`` members and ``$ref``'d definitions, theirs too, not
+        those within a branch; each as (the list as given, the rewrite holding it and its key,
+        or None for a definition's: its open copy is shared). Bounded: at most
+        :data:`GROUPS_MAX`, each schema looked at once."""
+        found: list[tuple[list[Any], dict[str, Any] | None, str]] = []
         seen: set[int] = set()
-        todo: list[tuple[Any, bool]] = [(schema, True)]
+        todo: list[tuple[Any, Any]] = [(schema, out)]
         while todo and len(found) < GROUPS_MAX:
-            node, top = todo.pop(0)
+            node, done = todo.pop(0)
             if not isinstance(node, dict) or id(node) in seen:
                 continue
             seen.add(id(node))
+            holder = done if isinstance(done, dict) else None
             for key in ("anyOf", "oneOf"):
                 if isinstance(node.get(key), list):
-                    found.append((node[key], key if top else ""))
-            if isinstance(node.get("allOf"), list):
-                todo.extend((member, False) for member in node["allOf"])
+                    ours = holder is not None and isinstance(holder.get(key), list) \
+                        and len(holder[key]) == len(node[key])
+                    found.append((node[key], holder if ours else None, key))
+            members = node.get("allOf")
+            if isinstance(members, list):
+                rewritten = holder.get("allOf") if holder is not None else None
+                todo.extend((member, rewritten[i] if isinstance(rewritten, list)
+                             and i < len(rewritten) else None)
+                            for i, member in enumerate(members))
             if isinstance(node.get("$ref"), str):
-                todo.append((self.resolve(node["$ref"]), False))
+                todo.append((self.resolve(node["$ref"]), None))
         return found[:GROUPS_MAX]
 
     def keys_beside(self, schema: dict[str, Any], group: list[Any]) -> frozenset[str]:
@@ -482,8 +526,13 @@ class _Closer:
         names, said_open = self.keys(given)
         if said_open or not isinstance(branch, dict) or not isinstance(given, dict):
             return branch
-        return {"allOf": [branch], "properties": {name: {} for name in sorted(names | beside)},
-                "additionalProperties": False}
+        self.narrowed = True
+        own = branch.get("properties")
+        properties = dict(own) if isinstance(own, dict) else {}
+        for name in sorted((names | beside) - set(properties)):
+            properties[name] = {}
+        # beside its own keywords (llguidance intersects them with its members and $ref)
+        return {**branch, "properties": properties, "additionalProperties": False}
 
     def keys(self, schema: Any) -> tuple[frozenset[str], bool]:
         """(the keys ``schema`` declares, its own and its members', whether one of them says
