@@ -249,3 +249,72 @@ def test_an_integer_past_64_bits_is_refused_saying_so_not_naming_doubles(served)
         assert f"properties.x.{where}: an integer llguidance cannot take as written " \
             f"({said}" in message, message
         assert "a double holds" not in message, message
+
+
+def _required_call(sdk: openai.OpenAI, parameters: dict, choice: str, seed: int) -> dict:
+    """The arguments of the one call ``tool_choice`` ``choice`` made of a tool ``f`` taking
+    ``parameters``, sampled with ``seed``."""
+    answer = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=200, seed=seed,
+        temperature=1.0, parallel_tool_calls=False, tool_choice=choice,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    calls = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1, \
+        answer
+    return json.loads(calls[0].function.arguments)
+
+
+#: zod-to-json-schema's default (``$refStrategy: "root"``): a schema used twice is written
+#: once, then referred to by its JSON pointer from the parameters' root
+ZOD_POINTER = {"type": "object", "properties": {
+    "a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"$ref": "#/properties/a"}},
+    "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_a_pointer_into_the_parameters_is_resolved_in_every_tool_choice(served, choice):
+    """``{"$ref": "#/properties/a"}`` (zod-to-json-schema's default for a schema used twice)
+    was served with a named ``tool_choice`` only: with "required" or "auto" the parameters
+    sit inside the grammar's call object, where the pointer named nothing, a 400
+    ``llguidance cannot compile it: ... Pointer '/properties/a' does not exist``. It is now
+    rebased onto the call's arguments."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    if choice == "required":
+        value = _required_call(sdk, ZOD_POINTER, "required", 0)
+    else:  # "auto" compiles the same call grammar; its answer is the model's to choose
+        answer = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": ZOD_POINTER}}],
+            tool_choice="auto")
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls"), answer
+        return
+    assert set(value) == {"a", "b"}, value
+    assert all(isinstance(value[k], int) and 0 <= value[k] <= 9 for k in "ab"), value
+
+
+#: a tree whose child is the parameters' own schema (``#``: the parameters' root)
+TREE = {"type": "object", "properties": {
+    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+    "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "child"], "additionalProperties": False}
+
+
+def _a_tree(value: object) -> bool:
+    while isinstance(value, dict):
+        if set(value) != {"v", "child"} or not isinstance(value["v"], int):
+            return False
+        value = value["child"]
+    return value is None
+
+
+def test_a_reference_to_the_parameters_root_is_the_parameters_not_the_call(served):
+    """``{"$ref": "#"}`` in a tool's parameters names the parameters; with ``tool_choice``
+    "required" (or "auto") they sit inside the grammar's call object, and ``#`` named the
+    call: a tree's child had to be ``{"name": "f", "arguments": {...}}``, a value the
+    parameters do not allow (seed 1 on the old code). Each child is now a node or null."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    for seed in range(8):
+        value = _required_call(sdk, TREE, "required", seed)
+        assert _a_tree(value), (seed, value)

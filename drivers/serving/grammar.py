@@ -1030,14 +1030,51 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> tuple[str, bool]:
                                       "\"function\": {\"name\": ...}}")
 
 
+#: where a call object holds its parameters' schema (a JSON pointer from the call's root)
+ARGUMENTS_POINTER = "#/properties/arguments"
+
+
+def _rebased(schema: Any, moved: tuple[str, ...]) -> Any:
+    """``schema`` (a tool's parameters) with each local ``$ref`` pointing where it points once
+    the parameters sit at :data:`ARGUMENTS_POINTER` of a call object: ``#`` (the parameters
+    themselves: a tree of nodes) and ``#/properties/a`` (zod-to-json-schema's default
+    ``$refStrategy: "root"`` writes a schema used twice so) get that prefix; a pointer into
+    a definitions keyword in ``moved`` (up to the call's root) is left as it is. Values
+    (``const``, ``enum``, ``default``, ``examples``) are data, not walked. A copy; the walk
+    is bounded by the body's own nesting limit."""
+    if isinstance(schema, list):
+        return [_rebased(item, moved) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
+                and not any(value == f"#/{name}" or value.startswith(f"#/{name}/")
+                            for name in moved):
+            out[key] = ARGUMENTS_POINTER + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas
+            out[key] = {name: _rebased(sub, moved) for name, sub in value.items()}
+        elif key in VALUE_KEYS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, moved)
+    return out
+
+
 def _call_schema(tool: Tool) -> dict[str, Any]:
     """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments.
     The parameters' definitions (``$defs``, draft-07's ``definitions``: pydantic's nested
     models) move up to the call object's root, which their references (``#/$defs/X``, from
-    the parameters' root) now name."""
+    the parameters' root) now name; every other local reference is rebased onto the
+    arguments (:func:`_rebased`: until stop 63 ``#/properties/a`` was a 400 ``Pointer
+    '/properties/a' does not exist`` with ``tool_choice`` "auto" or "required", and ``#``
+    named the call object, so a tree's child was a call)."""
     arguments = dict(tool.parameters)
     definitions: dict[str, Any] = {key: arguments.pop(key) for key in ("$defs", "definitions")
                                    if key in arguments}
+    arguments = _rebased(arguments, tuple(definitions))
+    definitions = {key: _rebased(value, tuple(definitions))
+                   for key, value in definitions.items()}
     return {"type": "object",
             "properties": {"name": {"const": tool.name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, **definitions,
