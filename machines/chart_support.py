@@ -229,8 +229,10 @@ def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
     # and the history states (not in ``states_map``): their default is a transition too
     for state in [*states, *(h for s in states for h in getattr(s, "history", ()) or ())]:
         for spec in state._specs:
-            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append((f"invoke {_name(spec.func)!r} on state {state.id!r}", False))
+            # (one the chart defines by naming convention, ``on_invoke_<state>``, too: an
+            # instance runs it as the state is entered)
+            if spec.group == CallbackGroup.INVOKE and _declared(declaration, spec):
+                found.append((f"invoke {invoked(spec.func)} on state {state.id!r}", False))
         for transition in state.transitions:
             if transition.initial:
                 continue
@@ -377,6 +379,9 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
              for entry in class_listeners(declaration)]
     groups = {CallbackGroup.ENTER: "enter", CallbackGroup.EXIT: "exit",
               CallbackGroup.BEFORE: "before", CallbackGroup.ON: "on", CallbackGroup.AFTER: "after"}
+    # ``prepare_event`` (the chart's own: it adds to every event's data, which guards read)
+    found += [f"prepare action {_name(spec.func)!r} of the chart" for spec in declaration._specs
+              if spec.group == CallbackGroup.PREPARE and _declared(declaration, spec)]
     for state in _all_states(declaration):
         for spec in state._specs:
             if spec.group in groups and _declared(declaration, spec):
@@ -428,6 +433,18 @@ def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:
 
 def _name(func: Any) -> str:
     return func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+
+
+def invoked(func: Any) -> str:
+    """An invoke as its state declared it: a name quoted (``'work'``, a function's), an
+    invoke handler object by its own ``repr`` when its class writes one
+    (``timeout(0.15, on='expired')`` of ``statemachine.contrib.timeout``), not the name of the
+    private class python-statemachine wraps it in or that handler's (``'_Timeout'``)."""
+    handler = getattr(func, "_invoke_handler", func)  # python-statemachine's wrapper
+    if not isinstance(handler, (str, type)) and not inspect.isroutine(handler) \
+            and "__repr__" in {n for k in type(handler).__mro__[:-1] for n in vars(k)}:
+        return repr(handler)
+    return repr(_name(func))
 
 
 def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import attrs
 from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
+from statemachine.graph import iterate_states_and_transitions
 from statemachine.signature import SignatureAdapter
 from statemachine.transition import Transition as DeclaredTransition
 
@@ -151,6 +152,14 @@ class CompiledChart:
     #: class attribute: python-statemachine reads those, ``AttributeGuardRun`` does too),
     #: looked up once per class as ``async_guards`` is
     value_guards: dict[type, frozenset[str]] = attrs.field(factory=dict, repr=False, eq=False)
+    #: the callbacks python-statemachine looks up on an instance's model by naming convention
+    #: (``on_enter_<state>``, ``after_<event>``, ``before_transition``, ``prepare_event``,
+    #: ``on_invoke_<state>``, ...): a flat chart whose model answers one takes the general run,
+    #: which calls them (the flat fast path calls none)
+    conventions: frozenset[str] = attrs.field(default=frozenset(), repr=False)
+    #: model class -> the ``conventions`` it answers, looked up once per class as
+    #: ``async_guards`` is
+    model_actions: dict[type, tuple[str, ...]] = attrs.field(factory=dict, repr=False, eq=False)
     #: where a flat run starts when neither its model nor the caller names a state: the
     #: chart's ``start_configuration_values`` (python-statemachine 3) if it declares one,
     #: else ``initial`` (which diagrams and paths keep drawing as the declared initial state)
@@ -243,10 +252,15 @@ class CompiledChart:
         ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
         if self.unrunnable:
             self.refuse_runs()
-        if self.general:
+        answered = () if self.general else self._model_actions(model)
+        if self.general or answered:
             if state is not None:
-                raise ValueError(f"{self.name}: state={state!r}: a hierarchical run starts in its "
-                                 f"declared initial configuration")
+                raise ValueError(
+                    f"{self.name}: state={state!r}: a hierarchical run starts in its declared "
+                    f"initial configuration" if self.general else
+                    f"{self.name}: state={state!r}: the model answers naming-convention "
+                    f"callback(s) {', '.join(map(repr, answered))}, which only the general run "
+                    f"calls, and it starts in the chart's initial state")
             saved = _saved_state(model)
             if saved is not None:  # an instance would start there; this run would not
                 raise UnsupportedChart(
@@ -298,6 +312,18 @@ class CompiledChart:
         if values:  # (a guard answered by an attribute: read, as an instance reads it)
             return AttributeGuardRun(self, state, model, values)
         return (ChartRun if self.keyword_free else EventDataRun)(self, state, model)
+
+    def _model_actions(self, model: object) -> tuple[str, ...]:
+        """The naming-convention callbacks ``model`` answers (python-statemachine calls them
+        on an instance's model), by name: a flat run of such a model is a general run."""
+        cls = type(model)
+        answered = self.model_actions.get(cls)
+        if answered is None:  # once per model class (a racing thread computes the same)
+            answered = self.model_actions[cls] = tuple(
+                name for name in sorted(self.conventions) if callable(getattr(cls, name, None)))
+        own: dict[str, Any] = getattr(model, "__dict__", None) or {}
+        mine = [n for n in self.conventions if n in own and callable(own[n])] if own else ()
+        return tuple(sorted({*answered, *mine})) if mine else answered
 
     def state_of(self, saved: object) -> str | None:
         """The id of the state whose value a model's state field ``saved`` holds, as
@@ -871,6 +897,11 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         declared=tuple(sources),
         start=_start_state(name, declaration, states, not general),
         unrunnable=tuple(async_only(declaration)),
+        conventions=frozenset(
+            spec.func for spec in [*declaration._specs, *(
+                spec for visited in iterate_states_and_transitions(declaration.states)
+                for spec in visited._specs)]
+            if spec.is_convention and isinstance(spec.func, str)),
         # calexec's own charts: the executor sends them events without data, and a **data
         # parameter costs every send ~40 ns (8 %); any other chart's flat run takes data
         keyword_free=declaration in DECLARED.values(),

@@ -339,6 +339,16 @@ class StatechartRun:
                 f"{', '.join(map(repr, coroutines))} of the model or a listener "
                 f"(python-statemachine runs such an instance on its async engine; a compiled "
                 f"run would take their coroutines for answers)")
+        # an invoke the chart declares is refused by ``compile_chart``; one the model or a
+        # listener answers by naming convention (``on_invoke_<state>``: an instance runs it as
+        # the state is entered) came later, and no run would call it
+        invokes = [f"invoke {str(callback)!r} of the model or a listener on state {visited.id!r}"
+                   for visited in iterate_states_and_transitions(declaration.states)
+                   if isinstance(visited, State) and visited.invoke.key in self._registry
+                   for callback in self._registry[visited.invoke.key]]
+        if invokes:
+            raise UnsupportedChart(f"{chart.name}: the compiled form does not support yet: "
+                                   f"{'; '.join(invokes)}")
         self._start(**start_kwargs)
 
     # ---- skeletons: the structure of the chart, for paths (machines/paths.py)
