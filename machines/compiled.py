@@ -252,7 +252,16 @@ class CompiledChart:
         ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
         if self.unrunnable:
             self.refuse_runs()
-        answered = () if self.general else self._model_actions(model)
+        answered: tuple[str, ...] = ()
+        own: dict[str, Any] = {}
+        if not self.general:  # (the executor's per-job path: a lookup per model class)
+            cls = type(model)
+            known = self.model_actions.get(cls)
+            answered = self._model_actions(cls) if known is None else known
+            own = getattr(model, "__dict__", None) or own
+            if own and not self.conventions.isdisjoint(own):  # set on the model itself
+                answered = tuple(sorted({*answered, *(
+                    name for name in own if name in self.conventions and callable(own[name]))}))
         if self.general or answered:
             if state is not None:
                 raise ValueError(
@@ -272,7 +281,6 @@ class CompiledChart:
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
             return StatechartRun(self, model)  # type: ignore[return-value]
-        cls = type(model)
         coroutines = self.async_guards.get(cls)
         if coroutines is None:  # once per model class (a racing thread computes the same)
             coroutines = self.async_guards[cls] = tuple(
@@ -282,7 +290,6 @@ class CompiledChart:
         if values is None:
             values = self.value_guards[cls] = frozenset(
                 name for name in self.guard_names if _answers_by_value(cls, name))
-        own: dict[str, Any] = getattr(model, "__dict__", None) or {}
         mine = [name for name in self.guard_names if name in own] if own else None
         if mine:  # a guard set on the instance itself (it hides the class's)
             extra = [name for name in mine if inspect.iscoroutinefunction(own[name])]
@@ -313,17 +320,13 @@ class CompiledChart:
             return AttributeGuardRun(self, state, model, values)
         return (ChartRun if self.keyword_free else EventDataRun)(self, state, model)
 
-    def _model_actions(self, model: object) -> tuple[str, ...]:
-        """The naming-convention callbacks ``model`` answers (python-statemachine calls them
-        on an instance's model), by name: a flat run of such a model is a general run."""
-        cls = type(model)
-        answered = self.model_actions.get(cls)
-        if answered is None:  # once per model class (a racing thread computes the same)
-            answered = self.model_actions[cls] = tuple(
-                name for name in sorted(self.conventions) if callable(getattr(cls, name, None)))
-        own: dict[str, Any] = getattr(model, "__dict__", None) or {}
-        mine = [n for n in self.conventions if n in own and callable(own[n])] if own else ()
-        return tuple(sorted({*answered, *mine})) if mine else answered
+    def _model_actions(self, cls: type) -> tuple[str, ...]:
+        """The naming-convention callbacks a model of ``cls`` answers (python-statemachine
+        calls them on an instance's model), by name: a flat run of such a model is a general
+        run. Kept per class (a racing thread computes the same)."""
+        answered = self.model_actions[cls] = tuple(
+            name for name in sorted(self.conventions) if callable(getattr(cls, name, None)))
+        return answered
 
     def state_of(self, saved: object) -> str | None:
         """The id of the state whose value a model's state field ``saved`` holds, as
