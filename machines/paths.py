@@ -872,7 +872,8 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
-                         f"{_only_at_start(chart, graph, never)}{_left_at_once(chart, never)}")
+                         f"{_only_at_start(chart, graph, never)}{_left_at_once(chart, never)}"
+                         f"{_left_first(chart, graph, never)}")
     _refuse_out_of_finals(chart, graph)
     paths = []
     for transition in chart.transitions:
@@ -937,6 +938,36 @@ def _left_at_once(chart: CompiledChart, never: list[Transition]) -> str:
                            f"leaves {leaving.source} at once, so no transition out of "
                            f"{final.id} is taken (make {final.id} no final state, or drop the "
                            f"transition)")
+    return "".join(dict.fromkeys(reasons))
+
+
+def _left_first(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:
+    """Why a transition out of a state the chart does reach is in ``never``: an eventless
+    transition of that state (or of an ancestor) needs no outcome the transition does not need
+    too (``fire = loaded.to(empty, unless="has_ammo")`` beside ``loaded.to(empty,
+    unless="has_ammo")``), so under the outcomes that select the transition python-statemachine
+    takes the eventless one first, before the event, and the state is left."""
+    states = chart.declaration.states_map
+    reasons = []
+    for transition in never:
+        if not transition.event or transition.source not in graph.entered:
+            continue
+        ancestors, up = [], states.get(transition.source)
+        while up is not None:
+            ancestors.append(up.id)
+            up = up.parent
+        first = next((t for t in chart.transitions if not t.event and t.source in ancestors
+                      and set(t.conds) <= set(transition.conds)
+                      and set(t.unless) <= set(transition.unless)), None)
+        if first is not None:
+            needs = f" ({', '.join(transition.guards)})" if transition.guards else ""
+            guards = f" [{', '.join(first.guards)}]" if first.guards else ""
+            eventless = f"{first.source} --(eventless){guards}--> {first.target}"
+            reasons.append(
+                f"; {_describe(transition)}: {transition.source} is reached, but under the "
+                f"outcomes {transition.event} needs{needs} the eventless {eventless} "
+                f"leaves {first.source} first (python-statemachine takes eventless transitions "
+                f"before the event), so no run takes it (drop it, or guard it apart)")
     return "".join(dict.fromkeys(reasons))
 
 
