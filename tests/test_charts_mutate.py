@@ -221,6 +221,12 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "--fail-under='5\\n6': expected a percentage (0-100)\n"),
         (["door:Door", "--test-cmd", "true", "--timeout", "5\n6"],
          "--timeout='5\\n6': must be a number of seconds > 0"),
+        # an empty NAME= was taken: every mutant ran, reported under a chart of no name
+        # (``|  | ...`` rows, ``"charts": {"": ...}``), stop 63
+        (["--chart", "=door:Door", "--test-cmd", "true"],
+         "--chart='=door:Door': empty chart name before '='"),
+        (["--chart", " =door:Door", "--test-cmd", "true"],
+         "--chart=' =door:Door': empty chart name before '='"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
@@ -229,7 +235,7 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "positional-not-a-chart", "fail-under-above-100", "fail-under-negative",
          "fail-under-nan", "fail-under-not-a-number", "fail-under-overflow", "timeout-zero",
          "timeout-overflow", "timeout-not-a-number", "fail-under-two-lines",
-         "timeout-two-lines"],
+         "timeout-two-lines", "empty-chart-name", "blank-chart-name"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

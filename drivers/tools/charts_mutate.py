@@ -207,6 +207,10 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     name, target = spec, CALEXEC_CHARTS.get(spec, spec)
     if "=" in spec:
         name, _, target = spec.partition("=")
+        if not name.strip():  # (the report's rows and its JSON key would name no chart)
+            raise ValueError(f"--chart={spec!r}: empty chart name before '=' (NAME=MODULE:CLASS "
+                             f"names the chart in the report: Order2=billing.orders:Order; or "
+                             f"give MODULE:CLASS alone)")
     if ":" not in target:
         raise ValueError(f"--chart={spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
