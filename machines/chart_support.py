@@ -232,7 +232,7 @@ def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
             # (one the chart defines by naming convention, ``on_invoke_<state>``, too: an
             # instance runs it as the state is entered)
             if spec.group == CallbackGroup.INVOKE and _declared(declaration, spec):
-                found.append((f"invoke {invoked(spec.func)} on state {state.id!r}", False))
+                found.append((f"invoke {_invoked(spec.func)} on state {state.id!r}", False))
         for transition in state.transitions:
             if transition.initial:
                 continue
@@ -435,7 +435,7 @@ def _name(func: Any) -> str:
     return func if isinstance(func, str) else getattr(func, "__name__", repr(func))
 
 
-def invoked(func: Any) -> str:
+def _invoked(func: Any) -> str:
     """An invoke as its state declared it: a name quoted (``'work'``, a function's), an
     invoke handler object by its own ``repr`` when its class writes one
     (``timeout(0.15, on='expired')`` of ``statemachine.contrib.timeout``), not the name of the

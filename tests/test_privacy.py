@@ -42,6 +42,12 @@ SYS = {"_getframe", "_current_frames"}
 
 #: private attributes of third-party objects we read, and why no public API does it
 THIRD_PARTY = {
+    "_invoke_handler": "python-statemachine's invoke wrapper (``_InvokeCallableWrapper``): the "
+                       "handler object a state's ``invoke=`` was given, which no public name "
+                       "gives back; machines/chart_support.py names an unsupported invoke by it "
+                       "(``invoke timeout(0.15, on='expired')``, not ``'_Timeout'``: "
+                       "tests/test_charts_toolkit_probe63.py::"
+                       "test_an_invoked_timeout_is_named_as_declared)",
     "_specs": "python-statemachine Transition: its guard callback specs have no public "
               "accessor; machines/compiled.py builds the chart table from them and "
               "machines/mutants.py replaces one (tests/test_charts_compiled.py, "
