@@ -484,3 +484,73 @@ def test_a_sibling_s_other_refusal_after_the_response_started_ends_it_uncounted(
     assert json.loads(last[6:])["error"]["message"] == "refused 500", last
     assert not r3.requests and app.failovers == {"replica_died": 1}
     assert app.exhausted == 0  # the request's own failure, not a spent failover budget
+
+
+# ---- stop 63: the Responses API behind the ingress ---------------------------------------------
+RESPONSES_EVENTS = [b'event: response.created\ndata: {"type":"response.created"}\n\n',
+                    b'event: response.output_text.delta\ndata: {"delta":"a"}\n\n',
+                    b'event: response.completed\ndata: {"type":"response.completed"}\n\n']
+
+
+class ResponsesReplica:
+    """A replica answering /v1/responses with ``RESPONSES_EVENTS``: ``pause_s`` before its
+    last event (a long generation), ``how`` it fails: "503" (refused before its first byte),
+    "raise" after its first event (its process died mid-stream), None: it does not."""
+
+    def __init__(self, name: str, how: str | None = None, pause_s: float = 0.0) -> None:
+        self.name, self.how, self.pause_s = name, how, pause_s
+        self.requests: list[dict] = []
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        yield {"type": PROGRESS_TYPE, "replica": self.name}  # as ray_serve's relay_http
+        if self.how == "503":
+            yield {"type": "http.response.start", "status": 503, "headers": []}
+            yield {"type": "http.response.body", "body": b'{"error":{"message":"busy"}}'}
+            return
+        yield {"type": "http.response.start", "status": 200,
+               "headers": [(b"content-type", b"text/event-stream")]}
+        yield {"type": "http.response.body", "body": RESPONSES_EVENTS[0], "more_body": True}
+        if self.how == "raise":
+            raise RuntimeError("ActorDiedError: the replica's process died")
+        yield {"type": "http.response.body", "body": RESPONSES_EVENTS[1], "more_body": True}
+        await asyncio.sleep(self.pause_s)
+        yield {"type": "http.response.body", "body": RESPONSES_EVENTS[2], "more_body": False}
+
+
+RESPONSES_BODY = {"input": "x", "stream": True, "timeout": 5}
+
+
+def test_a_responses_stream_is_bounded_by_its_own_deadline_not_route_timeout_s():
+    """Stop 63: /v1/responses was forwarded once, as /v1/models is, its whole answer bounded
+    by ``route_timeout_s`` whatever its ``timeout``: a generation longer than that (10 s by
+    default) was cut. Now its deadline is the request's, as a completion's."""
+    r1 = ResponsesReplica("r1", pause_s=0.3)
+    app = ingress(Router(r1), route_timeout_s=0.05)
+    client = run(app, Client(RESPONSES_BODY, path="/v1/responses"))
+    assert client.starts[0]["status"] == 200 and client.ended
+    assert client.content == b"".join(RESPONSES_EVENTS)
+
+
+def test_a_responses_request_refused_before_its_first_byte_runs_on_a_sibling():
+    r1, r2 = ResponsesReplica("r1", how="503"), ResponsesReplica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app, Client(RESPONSES_BODY, path="/v1/responses"))
+    assert client.starts[0]["status"] == 200 and client.content == b"".join(RESPONSES_EVENTS)
+    assert client.header(RELAYED_FROM) == b"r1" and r2.requests[0]["avoid"] == ["r1"]
+    # never asked for progress: the replica reports none, hands nothing off, resumes nothing
+    assert all("progress" not in r.requests[0] and "resume" not in r.requests[0]
+               for r in (r1, r2))
+    assert app.failovers == {"unavailable": 1}
+
+
+def test_a_responses_stream_that_started_is_not_resumed_on_a_sibling():
+    r1, r2 = ResponsesReplica("r1", how="raise"), ResponsesReplica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app, Client(RESPONSES_BODY, path="/v1/responses"))
+    assert not r2.requests and client.ended and len(client.starts) == 1
+    assert client.content.startswith(RESPONSES_EVENTS[0])
+    last = [e for e in client.content.split(b"\n\n") if e][-1]
+    error = json.loads(last.removeprefix(b"data: "))["error"]
+    assert "not continued on a sibling" in error["message"], error
+    assert b"response.completed" not in client.content and app.failovers == {}

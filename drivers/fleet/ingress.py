@@ -43,7 +43,17 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    stream. A client that leaves stops the replica's work (``cancel()`` of the call), and so
    does one that stops reading: a send to it waits at most until the request's deadline +
    ``deadline_slack_s`` (at least that slack), as the server cuts such a stream.
-4. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
+4. ``POST /v1/responses`` (``RERUN_ROUTES``: the Responses API, answered by the chat path
+   under its own event format) is bounded like a generation, by the request's deadline (its
+   ``timeout`` or ``default_timeout_s``, + twice ``deadline_slack_s``), and run again on a
+   sibling only before its first byte (the replica's 503, a replica that died before it
+   answered), within the same budget. It reports no progress and is never resumed: a sibling
+   would send its events again from ``response.created`` under another id. Once its answer
+   started, a replica's failure ends it: a whole answer left unfinished (the client sees an
+   incomplete body), a stream with the SSE error event (the SDK raises it). Until stop 63 it
+   was forwarded once and cut at ``route_timeout_s`` (10 s) whatever its ``timeout``: a 504
+   for any generation longer than that.
+5. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
    forwarded once, to whichever replica the router picks: they describe or steer one replica,
    and an admin POST is never repeated on another. Each is bounded: its whole answer within
    ``route_timeout_s`` (``admin_timeout_s`` for ``/admin/*``, whose reload runs a model
@@ -59,7 +69,7 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    relayed again by the replica's own edge: the ingress is the one place that retries. A
    response from a sibling after a failover carries ``x-calexec-relayed-from: <the replica
    that failed>``.
-5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
+6. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
    down) answers every new request 503 + ``Retry-After`` ("fleet is draining"; its body read
    first, bounded: :meth:`FleetIngress._refuse_draining`), except the
    probes ``GET``/``HEAD`` ``/health`` and ``/metrics`` (``PROBES``: still forwarded, as a
@@ -123,6 +133,13 @@ PROBES = frozenset((method, path) for method in ("GET", "HEAD")
 DEADLINE = "deadline"
 #: ``failovers`` causes
 CAUSES = ("replica_died", "drained", "unavailable")
+#: generation routes bounded by the request's deadline and run again on a sibling before their
+#: first byte, never resumed (module docstring, 4): the Responses API's events cannot be
+#: continued by a sibling, which would start them again under another id
+RERUN_ROUTES = frozenset({("POST", "/v1/responses")})
+#: why a response of ``RERUN_ROUTES`` that started is not failed over (said to the client)
+NOT_RESUMED = ("a /v1/responses answer that started is not continued on a sibling (a sibling "
+               "would send its events again from response.created); send it again")
 
 
 @attrs.frozen
@@ -310,8 +327,9 @@ class FleetIngress:
                 413, self.settings.retry_after_s, close=True))
             return
         body = b"".join(chunks)
-        failover = (scope["method"], route_path(scope)) in RELAY_ROUTES
-        await self._serve(scope, body, receive, send, failover)
+        route = (scope["method"], route_path(scope))
+        await self._serve(scope, body, receive, send, route in RELAY_ROUTES,
+                          route in RERUN_ROUTES)
 
     def route_bound(self, scope: Message) -> tuple[float, str]:
         """The bound of a route forwarded once, and the setting's name."""
@@ -320,7 +338,11 @@ class FleetIngress:
         return self.settings.route_timeout_s, "route_timeout_s"
 
     async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
-                     failover: bool) -> None:
+                     resumable: bool, rerun: bool = False) -> None:
+        """Forward the request: ``resumable`` (completions, chat) with progress, failed over
+        and resumed; ``rerun`` (``RERUN_ROUTES``) failed over only before its first byte;
+        neither: once, within its route's bound."""
+        failover = resumable or rerun  # bounded by the request's deadline, retried
         timeout = (request_timeout(body, self.settings.default_timeout_s) if failover
                    else self.route_bound(scope)[0])
         deadline = time.monotonic() + timeout
@@ -334,8 +356,9 @@ class FleetIngress:
             while True:
                 request = relay_request(scope, body, INGRESS)
                 if failover:
-                    request["progress"] = True
                     request["avoid"] = list(avoid)
+                if resumable:
+                    request["progress"] = True
                     if client.admitted is not None:
                         request["resume"] = client.resume(deadline)
                 forwarding = asyncio.ensure_future(self._attempt(request, client, send))
@@ -373,7 +396,8 @@ class FleetIngress:
                 if failover and outcome.retryable and client.started and client.admitted is None:
                     # its response started with no resume state (a replica that reported no
                     # progress): a sibling would send it again from its start, so it ends here
-                    outcome = attrs.evolve(outcome, retryable=False, note=(
+                    outcome = attrs.evolve(outcome, retryable=False, note=NOT_RESUMED if rerun
+                                           else (
                         "a response of several choices (n > 1, a list of prompts) that started "
                         "without resume state (its replica reported no progress) is not "
                         "continued on a sibling"))
