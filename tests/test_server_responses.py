@@ -278,3 +278,30 @@ def test_kv_exhausted_is_429_with_retry_after(tmp_path):
             assert r.json()["status"]["code"] == "kv.deadline"
     finally:
         executor.shutdown(5.0)
+
+
+# ---- stop 63 (responses second): what a Responses client is told --------------------------------
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function"}]}, "tools.0.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "strin"},
+                          "strict": True}}}, "text.format.schema"),
+    ({"input": "a" * 41000}, "input"),  # the context: its default max_output_tokens
+    ({"input": "a" * 41000, "max_output_tokens": 1}, "input"),  # the context, at admission
+])
+def test_errors_speak_of_the_responses_fields_never_of_chat_s(live, extra, param):
+    """Stop 63: the param was the Responses field but the message spoke of the chat request the
+    body was translated into (``tools.0.function.name``, ``tool_choice.function.name``,
+    ``response_format.json_schema.schema``, "your messages take ... tokens", "the prompt or
+    messages"), fields a Responses client never sent."""
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S,
+                   json={"input": "x", **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    for chat_word in ("messages", "max_tokens", "max_completion_tokens", "response_format",
+                      "function."):
+        assert chat_word not in error["message"], error["message"]
+        assert chat_word not in r.json()["status"]["message"]
+    assert param.split(".")[0] in error["message"]

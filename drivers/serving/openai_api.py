@@ -1289,19 +1289,20 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         generation = service.contracts
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
 
-    def chat_default(prompt_len: int) -> int:
+    def chat_default(prompt_len: int, prompt_param: str = "messages") -> int:
         """A chat's ``max_tokens`` when the body gives none: ``CHAT_DEFAULT_MAX_TOKENS``, or
         what the context leaves after the prompt when that is less (as vLLM and OpenAI: a
         long conversation that fits is answered, never refused for a number the client did
-        not send); messages leaving no room are refused naming them."""
+        not send); messages leaving no room are refused naming them (``prompt_param``: the
+        body's field, ``input`` on /v1/responses)."""
         limit = max_seq()
         if limit is None or prompt_len + CHAT_DEFAULT_MAX_TOKENS <= limit:
             return CHAT_DEFAULT_MAX_TOKENS
         if prompt_len >= limit:  # phrased as OpenAI and vLLM do: clients look for it
             raise Refusal(context_exceeded(
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"messages take {prompt_len} tokens, which leaves no room for the reply. "
-                "Please reduce the length of the messages."), "messages")
+                f"{prompt_param} take {prompt_len} tokens, which leaves no room for the reply. "
+                f"Please reduce the length of the {prompt_param}."), prompt_param)
         return limit - prompt_len
 
     def structure(build: Callable[..., Any], *args: Any) -> Any:
@@ -1441,7 +1442,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                body.chat_template_kwargs, body.continue_final_message, tools)
             ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
                             body.truncate_prompt_tokens)
-            wanted = body.max_completion_tokens or body.max_tokens or chat_default(len(ids))
+            wanted = (body.max_completion_tokens or body.max_tokens
+                      or chat_default(len(ids), prompt_param))
         except Refusal as err:
             return refused(err)
         admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param=prompt_param,

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
@@ -320,8 +322,31 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
         return parse(ChatRequest, json.dumps(
             {k: v for k, v in given.items() if v is not None}).encode())
     except Refusal as err:
-        err.param = responses_param(err.param)
-        raise
+        raise responses_refusal(err) from None
+
+
+#: chat's names of a field, as its refusals write them, and the Responses' (the message of a
+#: refusal of the translated chat body speaks of the fields the client sent)
+CHAT_WORDS = ((re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
+              (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+              (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
+              (re.compile(r"\bresponse_format\b"), "text.format"),
+              (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
+              (re.compile(r"\bmessages(\[\d+\])?"), "input"))
+
+
+def responses_message(message: str) -> str:
+    """A chat refusal's message with the Responses' field names."""
+    for chat, responses in CHAT_WORDS:
+        message = chat.sub(responses, message)
+    return message
+
+
+def responses_refusal(err: Refusal) -> Refusal:
+    """``err`` (a refusal of the chat body) as the Responses body names its fields."""
+    err.param = responses_param(err.param)
+    err.status = attrs.evolve(err.status, message=responses_message(err.status.message))
+    return err
 
 
 def responses_param(param: str | None) -> str | None:
@@ -541,8 +566,11 @@ def _error_answer(answer: Response) -> Response:
     except ValueError:
         return answer
     error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict) and error.get("param") is not None:
-        error["param"] = responses_param(error["param"])
+    if isinstance(error, dict):
+        error["param"] = responses_param(error.get("param"))
+        for holder in (error, body.get("status")):
+            if isinstance(holder, dict) and isinstance(holder.get("message"), str):
+                holder["message"] = responses_message(holder["message"])
     headers = {k: v for k, v in answer.headers.items()
                if k.lower() not in ("content-length", "content-type")}
     return JSONResponse(body, answer.status_code, headers=headers)

@@ -64,6 +64,10 @@ from calexec.machines.compiled import JOB
 log = logging.getLogger("calexec.server")
 #: the ``reason`` of a model switch's record in ``executor.recoveries``
 MODEL_SWITCH = "lifecycle.model_switch"
+#: what a prompt past the context is told to shorten, per ``Admission.prompt_param``: OpenAI's
+#: and vLLM's words for completions and chat (clients look for them); another route's field
+#: (``input``, /v1/responses) by its own name
+PROMPT_WORDS = {"prompt": "prompt or messages", "messages": "prompt or messages"}
 
 
 def context_exceeded(message: str) -> Status:
@@ -841,7 +845,7 @@ class CompletionService:
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, your "
                 f"request has {len(prompt)} input tokens. Please reduce the length of the "
-                "prompt or messages."), body.prompt_param
+                f"{PROMPT_WORDS.get(body.prompt_param, body.prompt_param)}."), body.prompt_param
         if len(prompt) + body.max_tokens > max_seq:
             field = body.max_tokens_param
             return None, context_exceeded(
