@@ -551,12 +551,21 @@ class EventStream:
                                 response=self.answer.response(status, self.finish))
 
     def failed(self, error: dict[str, Any]) -> bytes:
+        """``response.failed`` for chat's error event ``error``: its ``response.error`` in the
+        documented shape, ``code`` one of OpenAI's (``rate_limit_exceeded`` for a rate limit,
+        else ``server_error``: chat's own code, ``request.deadline``, is no value a validating
+        client takes), chat's code kept at the end of the message, its error type in ``type``."""
         for item in self.answer.output:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"
+        kind = error.get("type")
+        code = "rate_limit_exceeded" if kind == "rate_limit_error" else "server_error"
+        message = error.get("message") or "the response failed"
+        if error.get("code") and error["code"] != code:
+            message = f"{message} ({error['code']})"
         return self.event("response.failed", response=self.answer.response(
-            "failed", error={"code": error.get("code") or "server_error",
-                             "message": error.get("message") or "the response failed"}))
+            "failed", error={"code": code, "message": responses_message(message),
+                             "type": kind, "param": responses_param(error.get("param"))}))
 
 
 def _error_answer(answer: Response) -> Response:
