@@ -312,3 +312,37 @@ def test_errors_speak_of_the_responses_fields_never_of_chat_s(live, extra, param
         assert chat_word not in error["message"], error["message"]
         assert chat_word not in r.json()["status"]["message"]
     assert param.split(".")[0] in error["message"]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"background": 0}, "background"),  # 0 == False: taken for "not in the background"
+    ({"background": "false"}, "background"),
+    ({"top_logprobs": False}, "top_logprobs"),  # False == 0
+    ({"top_logprobs": 0.0}, "top_logprobs"),
+    ({"service_tier": 1}, "service_tier"),
+    ({"stream": True, "stream_options": {"include_usage": True}},
+     "stream_options.include_usage"),
+])
+def test_a_wrong_value_of_a_neutral_field_is_refused_naming_it(live, extra, param):
+    """Stop 63 (responses second): the fields accepted because they change nothing here were
+    taken whatever their value: ``background: 0`` and ``top_logprobs: false`` (equal to
+    False and 0 in Python); an unknown ``stream_options`` key was refused naming only
+    ``stream_options``."""
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S,
+                   json={"input": "x", "max_output_tokens": 1, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert param.split(".")[-1] in r.json()["error"]["message"]
+
+
+def test_the_documented_values_of_the_neutral_fields_are_accepted(live):
+    server, _, _ = live
+    # the SDK's values (openai 3.51: service tiers "fast", "ultrafast"; retention "in_memory")
+    for tier in ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast"):
+        for retention in ("in_memory", "in-memory", "24h"):
+            r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+                "input": "x", "max_output_tokens": 1, "service_tier": tier, "background": False,
+                "prompt_cache_retention": retention, "top_logprobs": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["service_tier"] == "default"

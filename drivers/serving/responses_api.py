@@ -84,22 +84,23 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None  # accepted: nothing is stored
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: none is added
-    service_tier: StrictStr | None = None  # one tier: echoed as "default"
+    # one tier: echoed as "default"; any string taken (OpenAI adds tiers: "fast" is new)
+    service_tier: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
-    prompt_cache_retention: StrictStr | None = None
+    prompt_cache_retention: StrictStr | None = None  # (the SDK's "in_memory", "24h")
     truncation: StrictStr | None = None  # "disabled" only
     timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
     seed: StrictInt | None = None  # vLLM's extension
     # refused unless neutral (``unsupported``)
     previous_response_id: Any = None
     conversation: Any = None
-    background: Any = None
+    background: StrictBool | None = None  # true refused
     reasoning: Any = None
     include: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
-    top_logprobs: Any = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # above 0 refused
     context_management: Any = None
 
     @model_validator(mode="before")
@@ -124,7 +125,7 @@ def unsupported(body: ResponsesRequest) -> None:
     if body.conversation is not None:
         raise refuse(f"conversation={shown(body.conversation, 80)}: {NOTHING_STORED}",
                      "conversation")
-    if body.background not in (None, False):
+    if body.background:
         raise refuse(f"background={shown(body.background, 80)}: background responses are "
                      "not supported (nothing is stored to poll)", "background")
     if body.reasoning not in (None, {}) and not (isinstance(body.reasoning, dict) and all(
@@ -140,7 +141,7 @@ def unsupported(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise refuse(f"max_tool_calls={shown(body.max_tool_calls, 80)}: not supported",
                      "max_tool_calls")
-    if body.top_logprobs not in (None, 0):
+    if body.top_logprobs:
         raise refuse(f"top_logprobs={shown(body.top_logprobs, 80)}: logprobs are not "
                      "supported on /v1/responses (they are on /v1/chat/completions)",
                      "top_logprobs")
@@ -156,8 +157,9 @@ def unsupported(body: ResponsesRequest) -> None:
             raise refuse("stream_options: only allowed with stream=true", "stream_options")
         unknown = set(body.stream_options) - {"include_obfuscation"}
         if unknown:
-            raise refuse(f"stream_options.{sorted(unknown)[0][:80]}: unknown option",
-                         "stream_options")
+            key = sorted(unknown)[0][:80]
+            raise refuse(f"stream_options.{key}: unknown option (only include_obfuscation)",
+                         f"stream_options.{key}")
 
 
 # ---- request: Responses -> chat ----------------------------------------------------------------
