@@ -409,3 +409,34 @@ def test_the_agents_sdk_s_recorded_turns_are_answered(live, stream):
     [message] = done["output"]
     assert turns > 1 and message["type"] == "message"
     assert isinstance(Person.model_validate_json(message["content"][0]["text"]), Person)
+
+
+@pytest.mark.parametrize("tools", [[WEATHER], None])
+def test_an_unknown_tool_choice_is_told_the_responses_shape(live, tools):
+    """Stop 63 (responses second): ``tool_choice: "bogus"`` was told chat's shape of a named
+    choice (``{"type": "function", "function": {"name": ...}}``, which /v1/responses refuses),
+    or, without tools, that it "needs tools", as if the value were right."""
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+        "input": "x", "tool_choice": "bogus", **({"tools": tools} if tools else {})})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice" and "bogus" in error["message"]
+    assert '{"type": "function", "name": ...}' in error["message"], error["message"]
+    assert '"function": {' not in error["message"] and "needs tools" not in error["message"]
+
+
+@pytest.mark.parametrize(("item", "param"), [
+    ({"type": "message", "role": "user", "content": "a", "status": 5}, "input.0.status"),
+    ({"type": "message", "role": "user", "content": "a", "id": ["m"]}, "input.0.id"),
+    ({"type": "function_call_output", "call_id": "c", "output": "o", "status": "done"},
+     "input.0.status"),
+])
+def test_an_item_s_id_or_status_of_the_wrong_kind_is_refused(live, item, param):
+    """Stop 63 (responses second): an input item's ``id`` and ``status`` (the SDK sends its
+    output items back with them) were ignored whatever they held."""
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S,
+                   json={"input": [item], "max_output_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

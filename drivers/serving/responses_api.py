@@ -232,6 +232,12 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
         if extra:
             raise refuse(f"input[{i}].{extra[0][:80]}: unknown key of a {kind} item, refused",
                          f"input.{i}.{extra[0][:80]}")
+        if item.get("id") is not None and not isinstance(item["id"], str):
+            raise refuse(f"input[{i}].id={shown(item['id'], 80)}: must be a string",
+                         f"input.{i}.id")
+        if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+            raise refuse(f"input[{i}].status={shown(item['status'], 80)}: must be one of "
+                         f"{', '.join(ITEM_STATUSES)}", f"input.{i}.status")
         if kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
@@ -268,7 +274,16 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+#: ``tool_choice``'s strings
+TOOL_CHOICES = ("none", "auto", "required")
+#: an item's ``status`` (as the server sends it; an SDK sends its output items back so)
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+
+
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise refuse(f"tool_choice={shown(choice, 80)}: must be \"none\", \"auto\", "
+                     "\"required\" or {\"type\": \"function\", \"name\": ...}", "tool_choice")
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") != "function":
