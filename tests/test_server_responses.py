@@ -320,6 +320,8 @@ def test_errors_speak_of_the_responses_fields_never_of_chat_s(live, extra, param
     ({"top_logprobs": False}, "top_logprobs"),  # False == 0
     ({"top_logprobs": 0.0}, "top_logprobs"),
     ({"service_tier": 1}, "service_tier"),
+    ({"service_tier": "bogus"}, "service_tier"),  # the SDK's values, as chat checks them
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
     ({"stream": True, "stream_options": {"include_usage": True}},
      "stream_options.include_usage"),
 ])
@@ -343,7 +345,8 @@ def test_the_documented_values_of_the_neutral_fields_are_accepted(live):
         for retention in ("in_memory", "in-memory", "24h"):
             r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
                 "input": "x", "max_output_tokens": 1, "service_tier": tier, "background": False,
-                "prompt_cache_retention": retention, "top_logprobs": 0})
+                "prompt_cache_retention": retention, "top_logprobs": 0,
+                "prompt_cache_options": {"ttl": "30m"}})
             assert r.status_code == 200, r.text
             assert r.json()["service_tier"] == "default"
 

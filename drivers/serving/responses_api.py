@@ -23,7 +23,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from fastapi import FastAPI, Request
@@ -84,11 +84,14 @@ class ResponsesRequest(BaseModel):
     store: StrictBool | None = None  # accepted: nothing is stored
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: none is added
-    # one tier: echoed as "default"; any string taken (OpenAI adds tiers: "fast" is new)
-    service_tier: StrictStr | None = None
+    # one tier: echoed as "default"; the SDK's values (openai 3.51's responses.ServiceTier), as
+    # chat checks its own
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast",
+                          "ultrafast"] | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
-    prompt_cache_retention: StrictStr | None = None  # (the SDK's "in_memory", "24h")
+    prompt_cache_options: dict[str, Any] | None = None  # nothing is cached, as on chat
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     truncation: StrictStr | None = None  # "disabled" only
     timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
     seed: StrictInt | None = None  # vLLM's extension
