@@ -173,6 +173,9 @@ def main(argv: list[str]) -> int:
             reason = probe.reason.removeprefix("experiment failed: ").split("  Additionally")[0]
             raise cliargs.UserError(f"{flag}={args.lib!r}: cannot load it: {reason}")
     if args.calbin is not None:
+        if os.path.exists(args.calbin) and not os.path.isfile(args.calbin):
+            # (a FIFO's read waited for a writer without end, /dev/zero's filled the memory)
+            raise cliargs.UserError(f"--calbin={args.calbin!r}: not a regular file")
         try:
             calbin_fmt.read(args.calbin)
         except (OSError, ValueError) as exc:
