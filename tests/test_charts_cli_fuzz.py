@@ -314,7 +314,8 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
                       "--sample": _NOT_AN_INT, "--examples": st.sampled_from(["0", "-1", "x"]),
                       "--seed": st.sampled_from(["-1", "x", "1.5"]),
                       "--targets-per-transition": st.sampled_from(["-1", "x", ""]),
-                      "--error-codes": st.sampled_from(["three", "1,x", "1.5"])},
+                      "--error-codes": st.sampled_from(["three", "1,x", "1.5", "0", "3,0", "256",
+                                                        "-1000", str(10 ** 30)])},
     "diagrams": {"--out": st.just(""), "--png": st.just("")},
 }
 

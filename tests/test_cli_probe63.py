@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from calexec import cliargs
+import pytest
+
+from calexec import cli, cliargs
 
 
 def _calexec(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -28,3 +30,35 @@ def test_conform_refuses_a_calbin_that_is_a_fifo_without_waiting_for_a_writer(tm
     assert done.returncode == cliargs.EXIT_CONFIG, done.stderr[-2000:]
     assert done.stderr == f"calexec conform: --calbin={str(fifo)!r}: not a regular file\n"
     assert done.stdout == ""
+
+
+@pytest.mark.parametrize(("codes", "said"), [
+    ("0", "0 is a passing run (the mutant survived), never 'not judged'"),
+    ("3,4,5,0", "0 is a passing run"),
+    ("256", "256 is no exit code a run can end with (1..255, or -1..-"),
+    (str(10 ** 30), f"{10 ** 30} is no exit code a run can end with"),
+    ("-1000", "-1000 is no exit code a run can end with"),
+])
+def test_charts_mutate_refuses_an_error_code_no_run_can_be_judged_by(
+        codes: str, said: str, capsys: pytest.CaptureFixture[str]):
+    """``charts mutate --error-codes 256`` (or 10**30, -1000: no exit code; or 0, judged a
+    survivor before the error codes are looked at) was taken and never matched: every mutant
+    was judged as if the flag were not given, the run minutes long. Now refused before the
+    run, exit 2, naming the flag and the code (``--mutant nope``: on the old code the refusal
+    is that of the mutant, and the test fails on the message)."""
+    code = cli.main(["charts", "mutate", "--test-cmd", "true", "--error-codes", codes,
+                     "--mutant", "nope"])
+    err = capsys.readouterr().err
+    assert code == cliargs.EXIT_CONFIG, err
+    assert err.startswith(f"calexec charts mutate: --error-codes={codes!r}: "), err
+    assert said in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("codes", ["3,4,5", "1", "255", "-9", ""])
+def test_charts_mutate_takes_the_exit_codes_a_run_can_end_with(
+        codes: str, capsys: pytest.CaptureFixture[str]):
+    code = cli.main(["charts", "mutate", "--test-cmd", "true", "--error-codes", codes,
+                     "--mutant", "nope"])
+    err = capsys.readouterr().err
+    assert code == cliargs.EXIT_CONFIG, err
+    assert "--mutant='nope': no such mutant" in err, err

@@ -185,8 +185,9 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"CALEXEC_STATEFUL_EXAMPLES for the default command (default "
                              f"{DEFAULT_EXAMPLES})")
     parser.add_argument("--error-codes", default="3,4,5",
-                        help="exit codes meaning 'not judged' rather than killed (default "
-                             "3,4,5: pytest's internal error, usage error, no tests)")
+                        help="exit codes meaning 'not judged' rather than killed, each "
+                             "1..255 or -N for signal N (default 3,4,5: pytest's internal "
+                             "error, usage error, no tests)")
     parser.add_argument("--chart-only-prefix", metavar="PREFIX",
                         help="failing test ids under this prefix test the chart alone; the "
                              "report also scores kills by other tests (default for calexec's "
@@ -358,6 +359,9 @@ def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
     if outcome.status == "error":
         outcome.output_tail = output[-2000:]
 
+
+#: the largest signal number: a test command a signal ended exits -N (``Popen.returncode``)
+MAX_SIGNAL = signal.NSIG - 1
 
 #: the largest --equivalent file read
 EQUIVALENT_MAX_BYTES = 16 * 1024 * 1024
@@ -542,6 +546,14 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ValueError(f"--error-codes={args.error_codes!r}: expected exit codes separated "
                              f"by commas (e.g. 3,4,5)") from None
+        for code in sorted(error_codes):  # (a code no run ends with was taken and never matched)
+            if code == 0:
+                raise ValueError(f"--error-codes={args.error_codes!r}: 0 is a passing run (the "
+                                 f"mutant survived), never 'not judged'")
+            if not -MAX_SIGNAL <= code <= 255:
+                raise ValueError(f"--error-codes={args.error_codes!r}: {code} is no exit code a "
+                                 f"run can end with (1..255, or -1..-{MAX_SIGNAL}: the signal "
+                                 f"that ended it)")
         specs = [*(args.chart or ()), *args.charts] or list(CALEXEC_CHARTS)
         charts: list[Chart] = []
         for spec in specs:
