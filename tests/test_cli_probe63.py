@@ -62,3 +62,19 @@ def test_charts_mutate_takes_the_exit_codes_a_run_can_end_with(
     err = capsys.readouterr().err
     assert code == cliargs.EXIT_CONFIG, err
     assert "--mutant='nope': no such mutant" in err, err
+
+
+def test_diagrams_live_refuses_a_job_shot_over_the_live_shot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """``diagrams live --out x.png --job-out ./x.png`` ran the load, shot the live page into
+    x.png, then the job's path over it: both paths printed, exit 0, the live shot gone. Now
+    refused before the load, exit 2, naming both flags."""
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["diagrams", "live", "--out", "x.png", "--job-out",
+                     str(tmp_path / "." / "x.png"), "--seconds", "0.1", "--clients", "1"])
+    captured = capsys.readouterr()
+    assert code == cliargs.EXIT_CONFIG, captured.err
+    assert captured.err.startswith("calexec diagrams live: --job-out="), captured.err
+    assert "the same file as --out='x.png'" in captured.err, captured.err
+    assert len(captured.err.splitlines()) == 1 and captured.out == ""
+    assert not (tmp_path / "x.png").exists()

@@ -84,6 +84,11 @@ def main(argv: list[str]) -> int:
                                     f"{os.path.dirname(os.path.abspath(value))!r} to write it in")
         if value:  # (a directory itself, read-only: Chromium failed after the whole load)
             cliargs.writable_file(flag, value)
+    if args.job_out and os.path.realpath(args.job_out) == os.path.realpath(args.out):
+        # (the job's shot replaced the live page's, both paths printed, exit 0)
+        raise cliargs.UserError(f"--job-out={args.job_out!r}: the same file as "
+                                f"--out={args.out!r}: the job's path would replace the live "
+                                f"page's shot; give another path, or --job-out '' to skip it")
     if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
         raise cliargs.UserError("needs headless Chromium: chromium is not on PATH (Debian "
                                 "package 'chromium'; bash .ci/install-server-tools)")
