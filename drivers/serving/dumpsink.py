@@ -190,14 +190,16 @@ class DumpSink:
         return True
 
     def close(self, timeout: float) -> bool:
-        """:meth:`flush` within ``timeout``, then end the writer thread. Records still waiting
-        then are given up: counted in ``overflowed``, one warning line names how many. True
+        """:meth:`flush` within ``timeout``, then end the writer thread (waiting for it to end
+        within what is left of ``timeout``). Records still waiting then are given up: counted
+        in ``overflowed``, one warning line names how many. True
         when every record was written (or refused) in time. A later :meth:`submit` starts a
         new writer. Called again with nothing submitted since (a drain closed it, then the
         app's shutdown), it does not wait again for a write the disk still holds."""
         with self._cv:
             if self._closing and not self._pending:
                 return not self._writing
+        end = time.monotonic() + timeout
         flushed = self.flush(timeout)
         with self._cv:
             lost = len(self._pending)
@@ -209,6 +211,13 @@ class DumpSink:
                             "disk): dropped and counted", lost, self.path, timeout)
             self._closing = True
             self._cv.notify_all()
+            writer = self._writer
+        # the writer ends once it sees ``_closing`` with nothing queued: wait for that within
+        # what is left of ``timeout`` (it returned with the thread still running, so a
+        # shutdown's thread count, or the interpreter's exit, still found it); one held by a
+        # stuck disk is left, a daemon, as the flush above was
+        if writer is not None and writer is not threading.current_thread():
+            writer.join(max(0.0, end - time.monotonic()))
         return flushed
 
     def _append(self, line: bytes) -> bool:
