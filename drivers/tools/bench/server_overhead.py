@@ -123,8 +123,8 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
     return tokens
 
 
-def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
-          raw: bool = False) -> dict[str, Any]:
+def load(requests: int, concurrency: int, one: Callable[[int, int], None],
+         raw: bool = False) -> dict[str, Any]:
     """``requests`` calls of ``one(worker, i)`` spread over ``concurrency`` threads (bounded);
     ``raw``: also ``elapsed_s`` and every latency (``latencies_ms``), as ``loadgen.run``."""
     latencies: list[float] = []
@@ -175,14 +175,14 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
 
 
 def rate(blocks: Sequence[dict[str, Any]]) -> float:
-    """Requests per second of raw blocks (``_load`` / ``loadgen.run`` with ``raw``): their
+    """Requests per second of raw blocks (``load`` / ``loadgen.run`` with ``raw``): their
     requests over their summed time (one block: that block's rate)."""
     return (sum(len(b["latencies_ms"]) for b in blocks)
             / sum(float(b["elapsed_s"]) for b in blocks))
 
 
 def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One side's figures from its blocks (raw ``_load`` / ``loadgen.run`` results): requests/s
+    """One side's figures from its blocks (raw ``load`` / ``loadgen.run`` results): requests/s
     over the blocks' summed time, P50/P99 over every latency, the time to the first token
     likewise when the blocks streamed."""
     latencies = np.concatenate([np.asarray(b["latencies_ms"], dtype=np.float64)
@@ -552,10 +552,10 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
                               loadgen, client, raw)
 
         print(f"bench server: concurrency {concurrency}", file=sys.stderr)
-        _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
+        load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
         sides: dict[str, Callable[[int], dict[str, Any]]] = {
-            "direct": with_cpu(functools.partial(_load, concurrency=concurrency,
-                                                 one=direct, raw=True), 0),
+            "direct": with_cpu(functools.partial(load, concurrency=concurrency,
+                                                one=direct, raw=True), 0),
             "server": with_cpu(functools.partial(http, False, raw=True), WARMUP_REQUESTS)}
         if stream:
             sides["server_stream"] = with_cpu(functools.partial(http, True, raw=True),
