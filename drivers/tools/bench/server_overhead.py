@@ -124,28 +124,35 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
 
 
 def load(requests: int, concurrency: int, one: Callable[[int, int], None],
-         raw: bool = False) -> dict[str, Any]:
-    """``requests`` calls of ``one(worker, i)`` spread over ``concurrency`` threads (bounded);
+         raw: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
+    """``requests`` calls of ``one(worker, i)`` spread over ``concurrency`` threads, all of
+    them done within ``timeout_s`` seconds (default: ``2 * _WAIT_S`` per request, what one
+    direct request may wait for a sequence id and then for its tokens), else BenchError
+    naming the threads still running (their figures would be an unfinished run's: the
+    requests not done counted as done, the next side measured beside them);
     ``raw``: also ``elapsed_s`` and every latency (``latencies_ms``), as ``loadgen.run``."""
     latencies: list[float] = []
     lock = threading.Lock()
     todo = iter(range(requests))
     errors: list[BaseException] = []
     worker_cpu = [0.0]  # the workers' own CPU (s), told before they end (threadcpu.span)
+    stop = threading.Event()  # the bound passed: no worker takes another request
+    bound_s = 2 * _WAIT_S * (requests + 1) if timeout_s is None else timeout_s
 
     def worker(w: int) -> None:
         cpu0 = time.thread_time()
         try:
-            while True:
+            while not stop.is_set():
                 with lock:
-                    i = next(todo, None)
+                    i = None if errors else next(todo, None)
                 if i is None:
                     return
                 t0 = time.perf_counter()
                 try:
                     one(w, i)
                 except BaseException as exc:  # noqa: BLE001 - reported after the run
-                    errors.append(exc)
+                    with lock:
+                        errors.append(exc)
                     return
                 with lock:
                     latencies.append(time.perf_counter() - t0)
@@ -154,12 +161,21 @@ def load(requests: int, concurrency: int, one: Callable[[int, int], None],
                 worker_cpu[0] += time.thread_time() - cpu0
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(w,), name=f"{LOAD_THREAD}-{w}")
-               for w in range(concurrency)]
+    # daemon threads: one left past the bound (reported below) never holds the process
+    threads = [threading.Thread(target=worker, args=(w,), name=f"{LOAD_THREAD}-{w}",
+                                daemon=True) for w in range(concurrency)]
     for t in threads:
         t.start()
+    # one deadline for them all (each join had 4 * _WAIT_S of its own, and the figures of
+    # a run still going were returned as if it had ended)
+    until = time.monotonic() + bound_s
     for t in threads:
-        t.join(_WAIT_S * 4)
+        t.join(max(0.0, until - time.monotonic()))
+    left = [t.name for t in threads if t.is_alive()]
+    if left:
+        stop.set()
+        raise BenchError(f"{len(left)} load thread(s) still running after {bound_s:g} s "
+                         f"({', '.join(left)}); no figures from an unfinished run")
     elapsed = time.perf_counter() - t0
     if errors:
         raise BenchError(f"{len(errors)} request(s) failed, first: {errors[0]}")
