@@ -397,6 +397,27 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def model_callbacks(declaration: type[StateChart[Any]]) -> list[str]:
+    """The names of the validators and actions ``declaration`` declares by name
+    (``validators="in_good_standing"``, ``on="stamp"``, ``State(enter="greet")``) that the
+    chart class does not define: python-statemachine looks them up on the model, and refuses
+    an instance whose model has none (``InvalidDefinition: Did not found name ...``). Guards
+    are not listed (``CompiledChart.guard_names``), nor naming-convention callbacks (optional)."""
+    groups = {CallbackGroup.VALIDATOR, CallbackGroup.ENTER, CallbackGroup.EXIT,
+              CallbackGroup.BEFORE, CallbackGroup.ON, CallbackGroup.AFTER}
+    states = _all_states(declaration)
+    found: list[str] = []
+    for state in [*states, *(h for s in states for h in getattr(s, "history", ()) or ())]:
+        specs = list(state._specs)
+        for transition in state.transitions:
+            specs += list(transition._specs)
+        for spec in specs:
+            if (spec.group in groups and not spec.is_convention and isinstance(spec.func, str)
+                    and spec.func.isidentifier() and not hasattr(declaration, spec.func)):
+                found.append(spec.func)
+    return list(dict.fromkeys(found))
+
+
 def class_listeners(declaration: type[StateChart[Any]]) -> list[object]:
     """The chart's own class-level ``listeners = [...]`` entries, in order: those calexec's
     tools add there to hear python-statemachine instances (coverage, contracts, the inspector;

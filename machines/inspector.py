@@ -711,12 +711,18 @@ class AppOptions:
 
 def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> Starlette:
     """The inspector as a Starlette app, to mount in any ASGI app (``app.mount("/charts",
-    inspector_app(inspector))``). Needs Starlette (the ``[server]`` extra)."""
-    from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException
-    from starlette.responses import HTMLResponse, JSONResponse, Response
-    from starlette.routing import Route
+    inspector_app(inspector))``). Needs Starlette (the ``[server]`` extra): without it, a
+    ``ModuleNotFoundError`` naming the extra and its install command."""
+    try:
+        from starlette.applications import Starlette
+        from starlette.concurrency import run_in_threadpool
+        from starlette.exceptions import HTTPException
+        from starlette.responses import HTMLResponse, JSONResponse, Response
+        from starlette.routing import Route
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(
+            f"inspector_app needs Starlette, of calexec's optional [server] extra: "
+            f"pip install 'calexec[server]' ({err})", name=err.name) from err
 
     opts = options or AppOptions()
 

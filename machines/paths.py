@@ -65,6 +65,7 @@ import attrs
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines import mutants
+from calexec.machines.chart_support import model_callbacks
 from calexec.machines.compiled import (
     ChartLike,
     ChartRun,
@@ -1146,7 +1147,10 @@ class GuardTable:
     """A model for driving bare charts: guard ``name`` returns ``outcomes.get(name, default)``.
 
     Build one with ``GuardTable.for_chart(chart)``: python-statemachine resolves guard names
-    on the model when an instance is created, so the guards must exist as methods.
+    on the model when an instance is created, so the guards must exist as methods; so must
+    the validators and actions the chart names on its model (``model_callbacks``), which the
+    table answers with a no-op (a path sets guards only: a validator passes, an action does
+    nothing).
     ``strict=True`` (of ``for_chart``): outcomes naming no guard of the chart (a typo) are a
     ``ValueError`` naming them, except in a process whose chart a mutant changed.
     """
@@ -1229,7 +1233,9 @@ class GuardTable:
                 f"{_describe(where)} has the name of the table a test sets "
                 f"(model.outcomes = step['guards']); rename the guard, or drive the chart "
                 f"with a model of your own")
-        methods: dict[str, object] = {name: _guard_method(name) for name in sorted(names_read)}
+        methods: dict[str, object] = {name: _no_op(name)
+                                      for name in model_callbacks(chart.declaration)}
+        methods.update({name: _guard_method(name) for name in sorted(names_read)})
         methods.update(_calexec_chart=chart.name, _calexec_guards=frozenset(names_read),
                        _calexec_declaration=chart.declaration)
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
@@ -1242,6 +1248,16 @@ def _guard_names(text: str) -> tuple[str, ...]:
         return names(text)
     except UnsettableGuard:
         return ()
+
+
+def _no_op(name: str) -> Callable[..., None]:
+    """A validator or action the chart names on its model: a path sets guards only, so on a
+    ``GuardTable`` a validator passes and an action does nothing."""
+    def callback(self: GuardTable, *args: object, **kwargs: object) -> None:
+        return None
+
+    callback.__name__ = name
+    return callback
 
 
 def _guard_method(name: str) -> Callable[[GuardTable], bool]:
