@@ -42,9 +42,13 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         head, _, tail = ref.rpartition(".")
         as_python = not sep and tail.isidentifier() and all(
             part.isidentifier() for part in head.split("."))  # locker.ParcelLocker
+        hint = f"; did you mean {head + ':' + tail!r}?" if as_python else ""
+        if as_python and _is_module_file(os.path.abspath(cwd or os.getcwd()), ref):
+            # mypkg.charts.orders: a module, not a module and its class
+            hint = (f"; {ref!r} is a module: name a chart class it declares after a colon, "
+                    f"{ref}:CLASS")
         raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
-                                 "that declares it (e.g. order_workflow:OrderWorkflow)"
-                                 + (f"; did you mean {head + ':' + tail!r}?" if as_python else ""))
+                                 "that declares it (e.g. order_workflow:OrderWorkflow)" + hint)
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
@@ -319,6 +323,13 @@ def _near_module(root: str, missing: str) -> str:
     if near is None:
         return ""
     return f"; did you mean {(parent + '.' if parent else '') + near!r}?"
+
+
+def _is_module_file(root: str, dotted: str) -> bool:
+    """Whether ``dotted`` names a module file under ``root`` (``a/b.py`` or ``a/b/__init__.py``),
+    looked up without importing anything."""
+    base = os.path.join(root, *dotted.split("."))
+    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py"))
 
 
 def _module_under(root: str, path: str) -> str | None:

@@ -12,6 +12,7 @@ from types import ModuleType
 
 import pytest
 
+from calexec.cli import main as cli
 from calexec.machines import chart_support
 from calexec.machines.compiled import compiled
 from calexec.machines.inspector import Inspector, inspector_app
@@ -141,3 +142,24 @@ def test_inspector_app_without_starlette_names_the_extra_to_install(
     inspector = Inspector()
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'calexec\[server\]'"):
         inspector_app(inspector)
+
+
+def test_a_module_given_without_its_class_is_not_offered_as_a_class_of_its_package(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``calexec charts paths mypkg.charts.orders`` (the module, the class forgotten) answered
+    ``did you mean 'mypkg.charts:orders'?``: a module offered as a chart class of its package,
+    which the next run refuses again; the line now says the reference is a module and where
+    its chart class goes. A dotted class (``mypkg.charts.orders.BookLoan``) is still given
+    back with its colon."""
+    loans = _package(tmp_path, monkeypatch)
+    module = loans.__name__
+    for argv in (["charts", "paths", module], ["charts", "draw", module]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"{module.rpartition('.')[0]}:loans" not in err, err
+        assert f"{module!r} is a module: name a chart class it declares after a colon, " \
+               f"{module}:CLASS" in err, err
+    assert cli(["charts", "paths", f"{module}.BookLoan"]) == 2
+    assert f"did you mean '{module}:BookLoan'?" in capsys.readouterr().err
