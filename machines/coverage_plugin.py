@@ -29,6 +29,12 @@ during the session: a violation raises from the ``send`` that broke it, and a se
 any was recorded (one a caught exception hid included) fails, naming the first. A chart that
 declares no contract is a usage error (pytest's exit 4, one line naming it): the session
 would check nothing while the option says it checks.
+
+Under ``calexec charts mutate`` (``CALEXEC_CHART_MUTANT`` set) a chart the unmutated run
+imported and the mutant's run cannot (python-statemachine refuses a subclass the mutant left a
+state unreachable in) ends the session as failed tests (exit 1, one line naming it): the tests
+cannot run against the mutant, so it is killed, as it is without the plugin; a usage error
+(exit 4) would judge it an error.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ import pytest
 if TYPE_CHECKING:
     from calexec.machines.chart_contracts import ContractMonitor
     from calexec.machines.coverage import ChartCoverage, TransitionRecorder
+
+#: ``calexec charts mutate``'s mutant (machines/mutants.py ``ENV``: not imported, the plugin
+#: loads in every pytest session)
+MUTANT_ENV = "CALEXEC_CHART_MUTANT"
 
 _STATE = pytest.StashKey["_Session"]()
 _CONTRACTS: pytest.StashKey[ContractMonitor] = pytest.StashKey()
@@ -171,6 +181,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if problem is not None:
             for done in undo:
                 done()
+            mutant = os.environ.get(MUTANT_ENV)
+            if mutant:  # (``charts mutate``: the unmutated run imported it, so the mutant
+                # broke it: a subclass python-statemachine refuses, say; the tests cannot run
+                # against it, which kills it, as a collection error does without the plugin)
+                pytest.exit(f"{problem} (under the chart mutant {mutant}: the mutated chart's "
+                            f"module cannot be imported)", returncode=pytest.ExitCode.TESTS_FAILED)
             raise pytest.UsageError(problem)
         charts.append(declaration)
     config.stash[_STATE] = _Session(charts, recorder, minimum, whole_suite_only, undo)
