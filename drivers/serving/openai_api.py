@@ -11,6 +11,7 @@ into text (stop strings, echo, logprobs) and the OpenAI JSON. docs/server.md has
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import json
@@ -315,9 +316,11 @@ def draining_refusal() -> Refusal:
                    wire.CLOSE)
 
 
+@functools.cache
 def _shape(model: type[Body]) -> str:
     """What a body of ``model`` is, for a refusal of one that holds nothing: a JSON object
-    and the fields it must have."""
+    and the fields it must have (once per model: :func:`parse` asks for every body, and the
+    fields are the class's)."""
     required = [name for name, field in model.model_fields.items() if field.is_required()]
     return ("a JSON object" + (f" with {', '.join(required)}" if required else "")
             + " (application/json; docs/server.md lists the fields)")
@@ -464,12 +467,19 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
+@functools.cache
+def _refused_fields(model: type[_Body]) -> tuple[tuple[str, Callable[[Any], bool], str], ...]:
+    """:data:`REFUSED`'s parameters ``model`` declares as ``Any`` (chat's ``echo`` is not
+    ours), in its order, with their neutral test and why: once per model, not per body."""
+    fields = model.model_fields
+    return tuple((name, neutral, why) for name, (neutral, why) in REFUSED.items()
+                 if name in fields and fields[name].annotation is Any)
+
+
 def refusal(body: _Body) -> None:
     """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
-    fields = type(body).model_fields
-    for name, (neutral, why) in REFUSED.items():  # where declared Any (chat's echo, not ours)
-        if name in fields and fields[name].annotation is Any \
-                and not neutral(getattr(body, name)):
+    for name, neutral, why in _refused_fields(type(body)):
+        if not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)
     if body.n < 1:
         raise Refusal(invalid(f"n={shown(body.n)}: must be >= 1"), "n")
@@ -1915,11 +1925,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     if usage_chunk:
                         tail.append(wire.sse(shape.usage_chunk(run)))
                     tail.append(b"data: [DONE]\n\n")
-                    if progress is not None:  # one message: a cut never splits the tail
-                        tail = [b"".join(tail)]
+                    if progress is not None:
                         progress({"final": True})
-                    for part in tail:
-                        yield part
+                    # one message: one send instead of two or three (the same bytes), and a
+                    # cut never splits the tail
+                    yield b"".join(tail)
             except Exception as exc:  # noqa: BLE001 - a bug: the stream's error event, as
                 # for a failure (the connection was cut without one); counted by finish()
                 run.status = unexpected_failure(request, exc)
