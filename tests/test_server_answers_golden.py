@@ -191,3 +191,26 @@ def test_every_answer_of_the_corpus_equals_the_recorded_one(tmp_path):
             statuses["503 completion while draining"]) == (404, 405, 413, 415, 429, 503)
     assert want["429 no sequence id"]["headers"]["retry-after"] == "1"
     assert want["CORS completion"]["headers"]["access-control-allow-origin"] == ORIGIN
+
+
+def test_the_completion_routes_tried_first_share_no_request_with_another_route(tmp_path):
+    """``server.hot_routes_first`` moves the completion routes to the head of the router's
+    list: it can change only the answer to a request one of them matches (fully, or its path
+    with another method: a 405), and no other route matches any such request, so the order
+    decides no answer."""
+    from starlette.routing import Match
+
+    from calexec.drivers.serving.server import HOT_ROUTES
+
+    executor = started_executor(tmp_path)
+    try:
+        routes = create_app(executor, ServerConfig(admin_token=ADMIN)).router.routes
+    finally:
+        executor.shutdown(5.0)
+    assert sorted(getattr(r, "path", "") for r in routes[:len(HOT_ROUTES)]) == sorted(HOT_ROUTES)
+    for path in HOT_ROUTES:
+        for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+            scope = {"type": "http", "path": path, "method": method, "root_path": ""}
+            matched = [getattr(r, "path", r) for r in routes
+                       if r.matches(scope)[0] is not Match.NONE]
+            assert matched == [path], (method, matched)

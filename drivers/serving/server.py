@@ -67,7 +67,7 @@ from calexec.drivers.serving.service import (
 from calexec.machines.api import InferenceExecutor
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
-__all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
+__all__ = ["Admission", "CompletionService", "DrainingServer", "HOT_ROUTES", "MAX_PATH_CHARS",
            "PARAM_OF_CODE", "RequestRun", "SequencePool", "ServerConfig",
            "create_app", "error_body", "error_response", "invalid",
            "uvicorn_config"]
@@ -223,8 +223,25 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     chat_path = openai_api.add_routes(app, service, fail)
     responses_api.add_routes(app, service, chat_path)
     head_with_get(app)
+    hot_routes_first(app)
 
     return app
+
+
+#: the routes nearly every request takes: tried first (:func:`hot_routes_first`)
+HOT_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+def hot_routes_first(app: FastAPI) -> None:
+    """Put the completion routes (:data:`HOT_ROUTES`) at the head of ``app``'s routes: the
+    router tries routes in order, and a completion went through the 13 routes before it
+    (health, admin, debug, models) first, about 15 us of the event loop's CPU per request on
+    the 2-core VM (stop 63). No route but its own matches a request one of them matches
+    (its path, any method), so the order decides no answer
+    (``tests/test_server_answers_golden.py``)."""
+    routes = app.router.routes
+    hot = [r for r in routes if getattr(r, "path", None) in HOT_ROUTES]
+    routes[:] = hot + [r for r in routes if r not in hot]
 
 
 def head_with_get(app: FastAPI) -> None:
