@@ -494,14 +494,22 @@ class RequestTally:
 
 
 class _WithModel:
-    """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``."""
+    """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``. The
+    children are kept once looked up (the metric's own ``labels()`` takes its lock and
+    checks every value, about 2.4 us against 0.1, twice per request on the event loop;
+    stop 63): the same child objects, so the exposition is unchanged. Nothing removes a
+    child of these metrics."""
 
     def __init__(self, metric: Any, model_name: str) -> None:
         self.metric = metric
         self.model_name = model_name
+        self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: str) -> Any:
-        return self.metric.labels(*values, self.model_name)
+        child = self._children.get(values)
+        if child is None:  # (two threads may both look it up: the metric gives one child)
+            child = self._children[values] = self.metric.labels(*values, self.model_name)
+        return child
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
