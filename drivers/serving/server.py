@@ -229,7 +229,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
 
 #: the routes nearly every request takes: tried first (:func:`hot_routes_first`)
-HOT_ROUTES = ("/v1/chat/completions", "/v1/completions")
+HOT_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def hot_routes_first(app: FastAPI) -> None:
