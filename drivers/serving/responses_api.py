@@ -120,6 +120,32 @@ def refuse(message: str, param: str) -> Refusal:
     return Refusal(invalid(message), param)
 
 
+#: ``include`` values that ask for data of items this server never outputs (reasoning items: the
+#: model does not reason; built-in tools' calls and input images: refused), so there is nothing
+#: to add and they are accepted, as vLLM accepts them: a client that always asks for
+#: ``reasoning.encrypted_content`` with ``store: false`` (Inspect's ``openai`` provider for a
+#: model it does not know, Codex-style agents) is served. ``message.output_text.logprobs`` asks
+#: for data this route does not give (as ``top_logprobs``): refused.
+VACUOUS_INCLUDES = frozenset({
+    "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "message.input_image.image_url",
+    "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
+
+
+def _check_include(include: Any) -> None:
+    if include is None:
+        return
+    if not isinstance(include, list):
+        raise refuse(f"include={shown(include, 80)}: must be a list of strings", "include")
+    for i, value in enumerate(include):
+        if value == "message.output_text.logprobs":
+            raise refuse(f"include.{i}={shown(value, 80)}: logprobs are not supported on "
+                         "/v1/responses (they are on /v1/chat/completions)", f"include.{i}")
+        if not isinstance(value, str) or value not in VACUOUS_INCLUDES:
+            raise refuse(f"include.{i}={shown(value, 80)}: not one of "
+                         f"{', '.join(sorted(VACUOUS_INCLUDES))}", f"include.{i}")
+
+
 def unsupported(body: ResponsesRequest) -> None:
     """:class:`Refusal` for the first field this server cannot honour."""
     if body.previous_response_id is not None:
@@ -135,9 +161,7 @@ def unsupported(body: ResponsesRequest) -> None:
             v is None for v in body.reasoning.values())):
         raise refuse(f"reasoning={shown(body.reasoning, 80)}: the served model does not "
                      "reason", "reasoning")
-    if body.include not in (None, []):
-        raise refuse(f"include={shown(body.include, 80)}: no additional output data is "
-                     "supported", "include")
+    _check_include(body.include)
     if body.prompt is not None:
         raise refuse(f"prompt={shown(body.prompt, 80)}: stored prompt templates are not "
                      "supported (nothing is stored)", "prompt")
