@@ -925,7 +925,8 @@ class DrainingServer(uvicorn.Server):
         if self.signalled or self._loop is None:
             if not self.force_exit:  # the requests this forced exit cuts (``cut``)
                 self.cut = self.service.active
-                log.warning("signal %s again: forced exit, %d request(s) cut", name, self.cut)
+                log.warning("signal %s again: forced exit, %d request(s) cut%s", name, self.cut,
+                            self.service.running_ids())
                 logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
             self.should_exit = self.force_exit = True
             if self._loop is not None:  # (from the signal handler: on the loop, soon)

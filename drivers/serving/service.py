@@ -175,6 +175,9 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
 #: request are set up together, each an admission, a task and a held answer, before the
 #: first runs; OpenAI's own cap on ``n`` is 128
 MAX_CHOICES = 1024
+#: how many ``x-request-id`` s a line cutting requests names (a drain's grace over, a forced
+#: exit); the rest are counted ("and M more")
+CUT_IDS_LOGGED = 8
 
 
 def _count(low: int) -> Callable[[Any, Any, Any], None]:
@@ -1488,6 +1491,20 @@ class CompletionService:
         """The requests in progress now (a copy: for diagnostics)."""
         return list(self._live.values())
 
+    def running_ids(self, limit: int = CUT_IDS_LOGGED) -> str:
+        """The ``x-request-id`` s of the requests in progress, for a log line that cuts them:
+        ``" (x-request-id: a, b and 3 more)"`` (the first ``limit`` distinct ids, in the
+        order they were admitted; a request of several choices is one id), ``""`` when none
+        has an id yet. An operator without ``--dump-dir`` matches a client's report to the
+        cut by it."""
+        ids = list(dict.fromkeys(run.x_request_id for run in list(self._live.values())
+                                 if run.x_request_id is not None))
+        if not ids:
+            return ""
+        more = len(ids) - limit
+        named = ", ".join(ids[:limit])
+        return f" (x-request-id: {named}{f' and {more} more' if more > 0 else ''})"
+
     def _close_and_release(self, run: RequestRun) -> bool:
         """(``finish``, a worker thread: one hand-off, not two) Close the run's decode stream
         without waiting; when none of its jobs is left, release its sequence now. True when
@@ -1662,8 +1679,8 @@ class CompletionService:
         slack = self.config.deadline_slack_s
         self.grace_over = True
         if self.active:
-            log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
-                        self.active)
+            log.warning("drain: grace %gs over, %d request(s) still running are cut%s", grace,
+                        self.active, self.running_ids())
             # the grace is over: a response still sending to a client that stopped reading
             # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
             # it holds comes back (BoundedStreamingResponse, ``cut``)

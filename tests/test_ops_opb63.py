@@ -1,0 +1,104 @@
+"""An operator running ``calexec serve`` by docs/operations.md and docs/server.md word for word
+(stop 63, second pass):
+
+- the WARNING line of a drain's cut and of a forced exit counted the requests it cut but named
+  none: without ``--dump-dir`` a client's report (its ``x-request-id``) could not be matched to
+  the cut. The line names the first ``CUT_IDS_LOGGED`` ids and counts the rest.
+
+The ``serve`` cases run ``calexec serve`` in a child process on loopback, bounded, killed at the
+end (tests/test_ops_sweep.py's helpers).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+
+from calexec.drivers.serving.service import CUT_IDS_LOGGED
+from test_ops_sweep import serve_process, stopped
+from test_server_support import wait_for
+
+
+def stream_with_id(url: str, request_id: str, max_tokens: int) -> tuple[threading.Thread,
+                                                                         threading.Event]:
+    """A streamed completion carrying ``X-Request-Id: request_id`` from a worker thread:
+    (thread, first event seen)."""
+    first = threading.Event()
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              headers={"X-Request-Id": request_id},
+                              json={"prompt": [5, 6], "max_tokens": max_tokens,
+                                    "stream": True}) as r:
+                for _ in r.iter_lines():
+                    first.set()
+        except httpx.HTTPError:
+            pass  # cut
+        finally:
+            first.set()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return worker, first
+
+
+def killed(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
+def test_a_drains_cut_names_the_request_ids_it_cut(tmp_path):
+    proc, url = serve_process(tmp_path, "--grace", "0.5", "--device-config", "decode_us=20000")
+    try:
+        worker, first = stream_with_id(url, "client-report-17", 1000)  # past the grace
+        assert first.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
+        worker.join(10)
+    finally:
+        killed(proc)
+    assert code == 0, err
+    assert ("drain: grace 0.5s over, 1 request(s) still running are cut "
+            "(x-request-id: client-report-17)") in err, err
+
+
+def test_a_forced_exit_names_the_request_ids_it_cut(tmp_path):
+    proc, url = serve_process(tmp_path, "--grace", "30", "--device-config", "decode_us=20000")
+    try:
+        worker, first = stream_with_id(url, "client-report-18", 1000)
+        assert first.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
+                 what="/ready to report draining")
+        proc.send_signal(signal.SIGINT)
+        code, err = stopped(proc)
+        worker.join(10)
+    finally:
+        killed(proc)
+    assert code == 3, err
+    assert ("signal SIGINT again: forced exit, 1 request(s) cut "
+            "(x-request-id: client-report-18)") in err, err
+
+
+def test_a_cut_of_many_requests_names_the_first_ids_and_counts_the_rest(tmp_path):
+    """A bounded line: the first ``CUT_IDS_LOGGED`` ids in admission order, then ``and M more``."""
+    total = CUT_IDS_LOGGED + 2
+    proc, url = serve_process(tmp_path, "--grace", "1", "--device-config", "decode_us=20000")
+    workers = []
+    try:
+        for k in range(total):  # one at a time: admitted in this order
+            worker, first = stream_with_id(url, f"many-{k}", 1000)
+            assert first.wait(10)
+            workers.append(worker)
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
+        for worker in workers:
+            worker.join(10)
+    finally:
+        killed(proc)
+    named = ", ".join(f"many-{k}" for k in range(CUT_IDS_LOGGED))
+    assert (f"drain: grace 1s over, {total} request(s) still running are cut "
+            f"(x-request-id: {named} and 2 more)") in err, err
