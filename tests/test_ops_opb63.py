@@ -15,10 +15,11 @@ import signal
 import threading
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from calexec.drivers.serving.service import CUT_IDS_LOGGED
 from test_ops_sweep import serve_process, stopped
-from test_server_support import wait_for
+from test_server_support import metric_value, started_executor, wait_for
 
 
 def stream_with_id(url: str, request_id: str, max_tokens: int) -> tuple[threading.Thread,
@@ -102,3 +103,53 @@ def test_a_cut_of_many_requests_names_the_first_ids_and_counts_the_rest(tmp_path
     named = ", ".join(f"many-{k}" for k in range(CUT_IDS_LOGGED))
     assert (f"drain: grace 1s over, {total} request(s) still running are cut "
             f"(x-request-id: {named} and 2 more)") in err, err
+
+
+def test_a_bug_in_a_route_that_is_no_completion_is_answered_and_logged_not_counted(
+        tmp_path, monkeypatch):
+    """One rule for ``calexec_request_failures_total``: completion, chat and Responses requests
+    only. A bug (500) in ``/v1/models`` was counted there while that route's refusals are
+    not (docs/server.md), which made the documented identity ``success + failures =
+    requests + api_requests{refused}`` false; a completion's bug stays counted."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving import openai_api
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    def broken(request, api_key):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(openai_api, "auth_refusal", broken)
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig()),
+                        raise_server_exceptions=False) as client:
+            before = unexpected(client)
+            r = client.get("/v1/models")
+            assert (r.status_code, r.json()["error"]["code"]) == (500, "server.unexpected_error")
+            after_models = unexpected(client)
+            assert client.post("/v1/completions",
+                               json={"prompt": [1, 2], "max_tokens": 1}).status_code == 500
+            after_completion = unexpected(client)
+            text = client.get("/metrics").text
+    finally:
+        executor.shutdown(5.0)
+    assert after_models == before  # answered (and logged), not counted
+    assert after_completion == before + 1
+    # docs/operations.md "Metrics": success + failures = requests + api_requests{refused}
+    refused = sum(metric_value(text, "calexec_api_requests_total",
+                               {"route": route, "outcome": "refused"}) or 0.0
+                  for route in ("completions", "chat_completions", "responses"))
+    assert (family_sum(text, "calexec_request_success_total")
+            + family_sum(text, "calexec_request_failures_total")
+            == family_sum(text, "calexec_requests_total") + refused)
+
+
+def unexpected(client) -> float:
+    return metric_value(client.get("/metrics").text, "calexec_request_failures_total",
+                        {"code": "server.unexpected_error"}) or 0.0
+
+
+def family_sum(text: str, name: str) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == name)

@@ -433,6 +433,16 @@ _TALLY: ContextVar[_Tally | None] = ContextVar("calexec_api_request", default=No
 _Asgi = Callable[[Any, Any, Any], Awaitable[None]]
 
 
+def api_route(scope: Any) -> str | None:
+    """The ``calexec_api_requests_total`` route of an ASGI ``scope`` (a ``POST`` to one of
+    ``API_ROUTES``): a completion, chat or Responses request, whose failures and refusals
+    ``calexec_request_failures_total`` counts; None for any other request (another route's
+    refusal or bug is answered, not counted: its successes are counted nowhere)."""
+    if scope.get("type") != "http" or scope.get("method") != "POST":
+        return None  # (a CORS preflight or a wrong method answers no completion request)
+    return API_ROUTES.get(scope.get("path", ""))
+
+
 class RequestTally:
     """ASGI middleware: each request of ``API_ROUTES`` counted once when its answer ends, in
     ``calexec_api_requests_total{route, outcome}`` (``API_OUTCOMES``). The unit is the HTTP
@@ -444,9 +454,7 @@ class RequestTally:
         self.metrics = metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        # (a POST: a CORS preflight or a wrong method answers no completion request)
-        route = (API_ROUTES.get(scope.get("path", ""))
-                 if scope["type"] == "http" and scope.get("method") == "POST" else None)
+        route = api_route(scope)
         if route is None:
             await self.app(scope, receive, send)
             return

@@ -56,7 +56,7 @@ from calexec.drivers.serving.error_bodies import (
     route_error,
 )
 from calexec.drivers.serving.executor_view import ServedExecutor
-from calexec.drivers.serving.metrics import RequestTally
+from calexec.drivers.serving.metrics import RequestTally, api_route
 from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
@@ -142,11 +142,15 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     async def unexpected(request: Request, exc: Exception) -> Response:
         """A bug this server did not foresee: an OpenAI-shaped 500 naming no detail (the
         exception and its traceback go to the log: Starlette re-raises it to uvicorn), never
-        a plain-text page; counted as a failure."""
+        a plain-text page. Counted in ``calexec_request_failures_total`` as the route's
+        refusals are: a completion, chat or Responses request's, not another route's (its
+        refusals are answered only; counting its bug made ``success + failures = requests +
+        api_requests{refused}`` false)."""
         status = Status.failure("server.unexpected_error", Category.PROGRAMMING, Phase.VALIDATE,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
-        service.metrics.observe_refusal(status)
+        if api_route(request.scope) is not None:
+            service.metrics.observe_refusal(status)
         request_id = wire.request_id(request.scope)
         # the id the client was answered with, so its report finds the traceback that follows
         log.error("request %s: %s %s: unexpected %s (traceback below)", request_id,
