@@ -15,11 +15,15 @@ import signal
 import threading
 
 import httpx
+import pytest
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.service import CUT_IDS_LOGGED
 from test_ops_sweep import serve_process, stopped
-from test_server_support import metric_value, started_executor, wait_for
+from test_server_handoff import through_ingress
+from test_server_support import metric_value, server_idle, started_executor, wait_for
 
 
 def stream_with_id(url: str, request_id: str, max_tokens: int) -> tuple[threading.Thread,
@@ -111,10 +115,7 @@ def test_a_bug_in_a_route_that_is_no_completion_is_answered_and_logged_not_count
     only. A bug (500) in ``/v1/models`` was counted there while that route's refusals are
     not (docs/server.md), which made the documented identity ``success + failures =
     requests + api_requests{refused}`` false; a completion's bug stays counted."""
-    from fastapi.testclient import TestClient
-
     from calexec.drivers.serving import openai_api
-    from calexec.drivers.serving.server import ServerConfig, create_app
 
     def broken(request, api_key):
         raise RuntimeError("a bug")
@@ -153,3 +154,48 @@ def unexpected(client) -> float:
 def family_sum(text: str, name: str) -> float:
     return sum(sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples if sample.name == name)
+
+
+def api_outcomes(text: str) -> dict[str, float]:
+    """``calexec_api_requests_total`` summed over its routes, by outcome."""
+    got: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "calexec_api_requests_total":
+                outcome = sample.labels["outcome"]
+                got[outcome] = got.get(outcome, 0.0) + sample.value
+    return got
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_handed_to_a_sibling_is_counted_handed_off_not_failed(tmp_path, stream):
+    """Under the fleet a draining replica hands a request to a sibling (drivers/serving/
+    handoff.py): the first replica counted it ``failed`` in ``calexec_api_requests_total``
+    and its choice in ``calexec_request_failures_total`` (``lifecycle.unavailable``), the
+    sibling ``success``: a sum over the replicas counted one request answered whole as two, one
+    failed. No Ray: the real app reached as a replica is (``serve_relayed``) behind the real
+    fleet ingress, one app as both replicas (tests/test_server_handoff.py's harness)."""
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig())
+        with TestClient(app) as client:
+            before = client.get("/metrics").text
+            body = {"prompt": [5, 6, 7], "max_tokens": 8, "stream": stream, "seed": 1}
+            _, start, calls = through_ingress(app, "/v1/completions", body,
+                                              cut=3 if stream else 0, drain=True)
+            assert start["status"] == 200 and len(calls) == 2
+            wait_for(lambda: server_idle(app.state.service), 20, "the server idle")
+            after = client.get("/metrics").text
+    finally:
+        executor.shutdown(5.0)
+    moved = {k: v - api_outcomes(before).get(k, 0.0) for k, v in api_outcomes(after).items()}
+    assert moved == {"success": 1.0, "failed": 0.0, "refused": 0.0, "handed_off": 1.0}
+    failed = (family_sum(after, "calexec_request_failures_total")
+              - family_sum(before, "calexec_request_failures_total"))
+    assert failed == 0.0
+    # every admitted choice ends once: in success, failures or (per replica) handed off
+    admitted = (family_sum(after, "calexec_requests_total")
+                - family_sum(before, "calexec_requests_total"))
+    succeeded = (family_sum(after, "calexec_request_success_total")
+                 - family_sum(before, "calexec_request_success_total"))
+    assert admitted == succeeded + moved["handed_off"] == 2.0

@@ -124,7 +124,7 @@ def test_every_completion_request_is_counted_once_by_outcome_whatever_its_choice
             # every series shows before its first request, at 0 (a rate() has a start)
             assert {k: v for k, v in start.items() if "/" in k} == {
                 f"{r}/{o}": 0.0 for r in ROUTE.values() for o in ("success", "failed",
-                                                                   "refused")}
+                                                                   "refused", "handed_off")}
             for path, body, status, outcome in TRAFFIC:
                 before = _totals(http.get("/metrics").text)
                 answer = http.post(path, json=body)
@@ -211,7 +211,7 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
     emu = executor.device.emu
     app = create_app(executor, ServerConfig())
     service = app.state.service
-    seen = {"success": 0, "refused": 0, "failed": 0}
+    seen = {"success": 0, "refused": 0, "failed": 0, "handed_off": 0}  # (no fleet here)
     try:
         with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
                                                           timeout=30) as http:
@@ -246,8 +246,8 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
     expected = {  # query -> [(labels, value)] at the last step, scaled by 1e6 and rounded
         "sum by (outcome) (rate(calexec_api_requests_total[5m]))":
             [(f'{{outcome="{o}"}}', round(1e6 * n / seconds)) for o, n in seen.items()],
-        'sum(rate(calexec_api_requests_total{outcome!="success"}[5m])) / '
-        "sum(rate(calexec_api_requests_total[5m]))":
+        'sum(rate(calexec_api_requests_total{outcome!~"success|handed_off"}[5m])) / '
+        'sum(rate(calexec_api_requests_total{outcome!="handed_off"}[5m]))':
             [("{}", round(1e6 * (seen["refused"] + seen["failed"]) / sum(seen.values())))],
         "sum(rate(calexec_request_failures_total[5m])) - "
         'sum(rate(calexec_api_requests_total{outcome="refused"}[5m]))':

@@ -410,8 +410,10 @@ API_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_co
 #: ``[DONE]``, or a Responses stream its ``response.completed`` / ``response.incomplete``
 #: event: ``_WHOLE``); refused (a failure the route counted: never admitted, or a later choice of it
 #: refused admission); failed (anything else: an error after admission, a stream's error
-#: event, the client gone, a cut)
-API_OUTCOMES = ("success", "failed", "refused")
+#: event, the client gone, a cut); handed_off (a fleet request a draining replica handed to a
+#: sibling at a token boundary, drivers/serving/handoff.py: the sibling counts its outcome, so
+#: a sum over replicas counts it once outside ``handed_off``)
+API_OUTCOMES = ("success", "failed", "refused", "handed_off")
 _DONE = b"data: [DONE]\n\n"
 #: a Responses stream's last event when it was answered whole (drivers/serving/responses_api.py;
 #: an event's name line starts a frame, and a JSON ``data`` line holds no bare newline)
@@ -419,12 +421,23 @@ _WHOLE = (b"event: response.completed\n", b"event: response.incomplete\n")
 
 
 class _Tally:
-    """What the route said of the request ``RequestTally`` counts (``refused``)."""
+    """What the route said of the request ``RequestTally`` counts (``refused``,
+    ``handed_off``)."""
 
-    __slots__ = ("refused",)
+    __slots__ = ("handed_off", "refused")
 
     def __init__(self) -> None:
         self.refused = False
+        self.handed_off = False
+
+
+def mark_handed_off() -> None:
+    """The route's request (of ``API_ROUTES``, in this task) was handed to a sibling replica:
+    ``calexec_api_requests_total`` counts it ``handed_off``, not ``failed`` (the sibling
+    counts how it ended). No-op outside such a request."""
+    tally = _TALLY.get()
+    if tally is not None:
+        tally.handed_off = True
 
 
 #: the request (of ``API_ROUTES``) whose task this is: its refusal is marked here
@@ -471,6 +484,7 @@ class RequestTally:
             if not counted:
                 counted = True
                 outcome = ("refused" if tally.refused or escaped
+                           else "handed_off" if tally.handed_off
                            else "success" if status == 200 and (not stream or tail == _DONE
                                                                 or whole)
                            else "failed")
@@ -575,7 +589,8 @@ class ServerMetrics:
         self.api_requests = _WithModel(Counter(
             "calexec_api_requests", "Completion and chat HTTP requests by outcome, each once "
             "whatever its choices: success (answered whole), refused (never admitted: "
-            "counted once in calexec_request_failures_total), failed (after admission).",
+            "counted once in calexec_request_failures_total), failed (after admission), "
+            "handed_off (to a sibling replica by a drain: the sibling counts its outcome).",
             ["route", "outcome", *model], registry=reg), model_name)
         for route in API_ROUTES.values():  # every series shows, 0 until counted
             for outcome in API_OUTCOMES:

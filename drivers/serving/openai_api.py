@@ -45,7 +45,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import error_bodies, grammar, handoff, sampling, wire
+from calexec.drivers.serving import error_bodies, grammar, handoff, metrics, sampling, wire
 from calexec.drivers.serving.hf_tokenizer import Tokenizer, compiled_chat_template
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import (
@@ -1022,6 +1022,13 @@ HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request 
                                 "a sibling replica")
 
 
+def handed_off(run: RequestRun) -> None:
+    """``run`` ends here, handed to a sibling replica by a drain: its status says so (the
+    client never sees it), and it is counted as no failure (``metrics.mark_handed_off``)."""
+    run.status, run.handed_off = HANDED_OFF, True
+    metrics.mark_handed_off()
+
+
 def resume_refusal(resume: handoff.Resume, run: RequestRun) -> Refusal | None:
     """Why ``resume`` cannot continue ``run`` (None: it can)."""
     tokens = resume.tokens
@@ -1608,7 +1615,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.finish_reason, run.stop_reason = "stop", out.stop_string
                     elif hand_off(request, run):
                         handed = True
-                        run.status = HANDED_OFF
+                        handed_off(run)
                         return
             await wire.until_disconnect(request, drive)
         except Exception as exc:  # noqa: BLE001 - a bug: its 500, answered here
@@ -1906,7 +1913,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         yield b"".join(ready)
                         ready = []
                     if progress is not None and hand_off(request, run):  # (it needs progress)
-                        run.status = HANDED_OFF
+                        handed_off(run)
                         progress({"handoff": "drained"})
                         return  # no [DONE]: the fleet ingress continues on a sibling
                     token = await service.advance(run)

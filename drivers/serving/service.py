@@ -465,6 +465,10 @@ class RequestRun:
     max_tokens_param: str = "max_tokens"
     #: the ``x-request-id`` its response carries (the route sets it; its dump record names it)
     x_request_id: str | None = None
+    #: a draining replica handed it to a sibling (drivers/serving/handoff.py): it ends with a
+    #: ``status`` but is no failure (the sibling counts how it ends), counted in neither
+    #: ``calexec_request_success_total`` nor ``_failures_total``
+    handed_off: bool = False
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -1597,7 +1601,9 @@ class CompletionService:
             m.decode_steps.labels("true").inc(prearmed)
             m.decode_steps.labels("false").inc(run.decode.steps - prearmed)
             m.decode_steps_ahead.inc(run.decode.ahead_steps)
-        if run.status is not None:
+        if run.handed_off:
+            pass  # no failure: the sibling replica counts its end
+        elif run.status is not None:
             m.observe_failure(run.status)
         else:
             m.success.labels(str(run.finish_reason)).inc()
