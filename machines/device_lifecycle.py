@@ -28,7 +28,8 @@ here for embedders and the fault controller: ``state``, ``lifecycle``, ``start``
   the generations retired but kept until the device proves no stale DMA lands in them
   (``retired``), the calbin a refused switch rolls back to;
 * the golden (§9.2): ``goldens`` (operator's, plus unpinned runs accepted in this process:
-  ``unpinned_goldens``), ``golden_source``, whether the current generation's golden passed,
+  ``unpinned_goldens``), ``pinned_goldens`` (the manifest's goldens file as a model switch
+  last read it), ``golden_source``, whether the current generation's golden passed,
   ``good_calbins`` (calbins that reached Ready, newest last);
 * the outcome: ``start_status`` and ``failure`` (why the lifecycle is Failed).
 
@@ -70,8 +71,9 @@ import numpy as np
 
 from calexec.contracts import fields
 from calexec.contracts.errors import Category
-from calexec.contracts.goldens import goldens_path
+from calexec.contracts.goldens import Goldens, GoldenFileError, goldens_path, load_goldens
 from calexec.contracts.goldens import lookup as lookup_golden
+from calexec.contracts.manifest import default_manifest_path
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
@@ -248,6 +250,9 @@ class DeviceLifecycle:
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
         self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
         self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
+        #: the manifest's pinned goldens as the last ``switch_model`` read its goldens file
+        #: (a pin recorded while serving counts at the next switch); None: the manifest's own
+        self.pinned_goldens: Goldens | None = None
         self.start_status: Status | None = None
         #: ``start`` was called (under ``mu``): a second call raises before touching anything
         self._started = False
@@ -584,8 +589,9 @@ class DeviceLifecycle:
             return tuple(self.goldens[sha]), ("unpinned" if sha in self.unpinned_goldens
                                               else "config")
         config, manifest = self._host.config, self._host.manifest
-        pinned = lookup_golden(getattr(manifest, "goldens", {}), sha,
-                               config.golden_tokens, config.golden_decode_steps)
+        goldens = (self.pinned_goldens if self.pinned_goldens is not None
+                   else getattr(manifest, "goldens", {}))
+        pinned = lookup_golden(goldens, sha, config.golden_tokens, config.golden_decode_steps)
         return (None, "unpinned") if pinned is None else (pinned.tokens, "pinned")
 
     def warm_up(self) -> Status:
@@ -603,7 +609,8 @@ class DeviceLifecycle:
                 f"calbin {fields.shown(host.gen.calbin_path, 300)} (sha256 {sha}) has no pinned golden for "
                 f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
                 f"{goldens_path(getattr(host.manifest, 'source', 'manifest'))}; run `calexec "
-                f"golden record --calbin {host.gen.calbin_path}` or set allow_unpinned_golden",
+                f"golden record --calbin {host.gen.calbin_path}{self._manifest_flag()}` or set "
+                "allow_unpinned_golden",
                 generation=host.gen.id)
         tokens = self._run_golden()
         if isinstance(tokens, Status):
@@ -856,9 +863,43 @@ class DeviceLifecycle:
             return switch_check.refused("path_required", repr(calbin_path)[:200],
                                         "a calbin file path (a str) is required")
         self._refuse_within_recovery("switch_model")
+        refused = self._reread_goldens()
+        if refused is not None:
+            return refused
         return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
                                            Phase.RECOVERY, f"switch to {fields.shown(calbin_path, 300)}"),
                             reset=False, calbin_path=calbin_path)
+
+    def _manifest_flag(self) -> str:
+        """`` --manifest M`` when the manifest is not the packaged one: ``golden record``
+        without it pins into the packaged manifest's file, which this executor does not read."""
+        source = getattr(self._host.manifest, "source", None)
+        if not isinstance(source, str) or not os.path.isfile(source):
+            return ""
+        if os.path.realpath(source) == os.path.realpath(default_manifest_path()):
+            return ""
+        return f" --manifest {source}"
+
+    def _reread_goldens(self) -> Status | None:
+        """(``switch_model``, before the lifecycle moves) Read the manifest's goldens file
+        again: the pin ``calexec golden record`` wrote while this executor served counts for
+        the switch (the file was read once, with the manifest, so a recorded pin needed a
+        restart while the refusal said to record it). Pins of the file win over those the
+        manifest came with. A goldens file that no longer loads refuses the switch
+        (``golden.file_invalid``, nothing moved); a manifest made in code (no file) keeps
+        its own goldens."""
+        manifest = self._host.manifest
+        source = getattr(manifest, "source", None)
+        if not isinstance(source, str) or not os.path.isfile(source):
+            return None
+        try:
+            fresh = load_goldens(goldens_path(source))
+        except GoldenFileError as exc:
+            return Status.failure("golden.file_invalid", Category.ARTIFACT, Phase.VALIDATE,
+                                  f"the goldens file does not load: {exc}; nothing was "
+                                  "switched, the current model serves on")
+        self.pinned_goldens = {**getattr(manifest, "goldens", {}), **fresh}
+        return None
 
     def recover(self, reason: Status, reset: bool = True,
                 calbin_path: str | None = None) -> Status:

@@ -11,7 +11,10 @@ end (tests/test_ops_sweep.py's helpers).
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -19,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from calexec.contracts.manifest import default_manifest_path
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.service import CUT_IDS_LOGGED
 from test_ops_sweep import serve_process, stopped
@@ -199,3 +203,70 @@ def test_a_request_handed_to_a_sibling_is_counted_handed_off_not_failed(tmp_path
     succeeded = (family_sum(after, "calexec_request_success_total")
                  - family_sum(before, "calexec_request_success_total"))
     assert admitted == succeeded + moved["handed_off"] == 2.0
+
+
+def calexec(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "calexec", *args], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+
+
+def test_a_golden_recorded_while_serving_lets_the_next_reload_switch(tmp_path):
+    """The procedure docs/server.md gives a refused switch, word for word: the 500
+    ``recovery.rolled_back`` says ``run `calexec golden record --calbin PATH``; done, the
+    same reload was refused again (the goldens file was read once, at start: only a restart,
+    a drain of everything, took the pin), and with ``serve --manifest M`` the command it gave
+    pinned into the packaged manifest's file, which the server does not read. The refusal
+    names ``--manifest M``, and the next reload reads the goldens file again."""
+    for name in ("qwen3_synthetic.toml", "qwen3_synthetic.goldens.toml"):
+        shutil.copy(default_manifest_path().with_name(name), tmp_path / name)
+    manifest = tmp_path / "qwen3_synthetic.toml"
+    assert calexec(tmp_path, "sim", "write-calbin", "--seed", "7", "m7.calbin").returncode == 0
+    calbin = str(tmp_path / "m7.calbin")
+    (tmp_path / "admin").write_text("t0k")
+    (tmp_path / "admin").chmod(0o600)
+    proc, url = serve_process(tmp_path, "--manifest", str(manifest), "--admin-token-file",
+                              str(tmp_path / "admin"))
+    try:
+        def reload() -> httpx.Response:
+            return httpx.post(f"{url}/admin/reload", json={"calbin": calbin}, timeout=60,
+                              headers={"Authorization": "Bearer t0k"})
+        refused = reload()
+        assert refused.status_code == 500, refused.text
+        message = refused.json()["error"]["message"]
+        advice = f"run `calexec golden record --calbin {calbin} --manifest {manifest}`"
+        assert advice in message, message
+        recorded = calexec(tmp_path, "golden", "record", "--calbin", calbin, "--manifest",
+                           str(manifest))
+        assert recorded.returncode == 0, recorded.stderr
+        switched = reload()
+        ready = httpx.get(f"{url}/ready", timeout=10)
+    finally:
+        killed(proc)
+    assert switched.status_code == 200, switched.text
+    assert switched.json()["calbin"] == calbin and ready.status_code == 200
+
+
+def test_a_switch_refuses_a_goldens_file_that_no_longer_loads_and_moves_nothing(tmp_path):
+    """The re-read goldens file (above) broken meanwhile: the switch is refused before the
+    lifecycle moves, naming the file; the model serving goes on."""
+    from calexec.contracts.manifest import load_manifest
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.synthetic import calbin
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+    for name in ("qwen3_synthetic.toml", "qwen3_synthetic.goldens.toml"):
+        shutil.copy(default_manifest_path().with_name(name), tmp_path / name)
+    path = str(tmp_path / "synthetic.calbin")
+    calbin.write(path, calbin.default_spec())
+    executor = DeviceExecutor(CalRT.load(), load_manifest(tmp_path / "qwen3_synthetic.toml"),
+                              ExecutorConfig(calbin_path=path))
+    try:
+        assert executor.start().ok
+        generation = executor.gen.id
+        (tmp_path / "qwen3_synthetic.goldens.toml").write_text("format = [")
+        status = executor.switch_model(path)
+        assert (status.code, executor.state, executor.gen.id) == ("golden.file_invalid", "Ready",
+                                                                   generation)
+        assert "qwen3_synthetic.goldens.toml" in status.message and "<toml>" in status.message
+    finally:
+        executor.shutdown(5.0)
