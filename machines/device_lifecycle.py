@@ -71,7 +71,7 @@ import numpy as np
 
 from calexec.contracts import fields
 from calexec.contracts.errors import Category
-from calexec.contracts.goldens import Goldens, GoldenFileError, goldens_path, load_goldens
+from calexec.contracts.goldens import GoldenFileError, Goldens, goldens_path, load_goldens
 from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.manifest import default_manifest_path
 from calexec.contracts.prepare import InferenceRequest
