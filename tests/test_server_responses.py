@@ -443,3 +443,54 @@ def test_an_item_s_id_or_status_of_the_wrong_kind_is_refused(live, item, param):
                    json={"input": [item], "max_output_tokens": 1})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---- stop 63 (clients third): verbosity and metadata ---------------------------------------
+def test_the_default_verbosity_is_accepted_and_another_refused_naming_it(live):
+    """``text.verbosity`` (chat's ``verbosity``) was refused even at its default "medium",
+    which the Agents SDK sends when ModelSettings.verbosity is set: "medium" (and null) are
+    taken and echoed; "low"/"high" are 400s naming the field, its value and why."""
+    server, client, _ = live
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=1,
+                                text={"verbosity": "medium"})
+    assert r.text is not None and r.text.verbosity == "medium"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": "x"}],
+                                          max_completion_tokens=1, verbosity="medium")
+    assert chat.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="x", text={"verbosity": "low"})
+    assert caught.value.param == "text.verbosity"
+    assert "'low'" in caught.value.message or '"low"' in caught.value.message
+    assert "medium" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       verbosity="high")
+    assert caught.value.param == "verbosity" and "medium" in caught.value.message
+
+
+@pytest.mark.parametrize(("metadata", "param", "says"), [
+    ({f"k{i}": "v" for i in range(17)}, "metadata", "17 pairs"),
+    ({"k" * 65: "v"}, "metadata." + "k" * 65, "65 characters"),
+    ({"tag": "v" * 513}, "metadata.tag", "513 characters"),
+])
+@pytest.mark.parametrize("route", ["responses", "chat"])
+def test_metadata_past_openais_limits_is_refused_naming_the_key(live, metadata, param, says,
+                                                                route):
+    """OpenAI's ``metadata`` (Responses and chat): at most 16 pairs, keys of at most 64
+    characters, values of at most 512. Taken whatever its size before: tags OpenAI refuses
+    worked here only. The limits themselves are accepted."""
+    _, client, _ = live
+    with pytest.raises(openai.BadRequestError) as caught:
+        if route == "responses":
+            client.responses.create(model=MODEL, input="x", metadata=metadata)
+        else:
+            client.chat.completions.create(model=MODEL, metadata=metadata,
+                                           messages=[{"role": "user", "content": "x"}])
+    assert caught.value.param == param and says in caught.value.message, caught.value.body
+    at_limits = {f"k{i}": "v" for i in range(15)} | {"k" * 64: "v" * 512}
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=1,
+                                metadata=at_limits)
+    assert r.metadata == at_limits
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                   max_completion_tokens=1, metadata=at_limits)

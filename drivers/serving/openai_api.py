@@ -209,7 +209,7 @@ class ChatRequest(_Body):
     chat_template_kwargs: dict[StrictStr, Any] | None = None
     add_generation_prompt: StrictBool = True
     # metadata and caching hints: accepted, ignored (nothing is stored, one tier, no cache)
-    metadata: dict[str, Any] | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None  # OpenAI's limits: metadata_refusal
     store: StrictBool | None = None
     # the OpenAI SDK's values (3.51); another string is a 400 naming the field, as OpenAI's
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
@@ -260,7 +260,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported: Qwen3's thinking "
                          "is switched by its chat template, chat_template_kwargs: "
                          "{\"enable_thinking\": false} (with a --tokenizer that has one)"),
-    "verbosity": (_none_or(), "verbosity is not supported"),
+    "verbosity": (_none_or("medium"), "only \"medium\" (the default): the served model has "
+                  "one verbosity, so \"low\" or \"high\" cannot be honoured"),
     "web_search_options": (_none_or(), "web search is not supported"),
     "moderation": (_none_or(), "moderation is not performed by this server"),
     # vLLM's own fields: named with the reason, not refused as unknown
@@ -476,8 +477,32 @@ def _refused_fields(model: type[_Body]) -> tuple[tuple[str, Callable[[Any], bool
                  if name in fields and fields[name].annotation is Any)
 
 
+#: OpenAI's limits of ``metadata`` (chat and Responses alike): pairs, a key's and a value's
+#: characters
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+
+
+def metadata_refusal(metadata: dict[str, str] | None) -> None:
+    """Raise :class:`Refusal` for a ``metadata`` past OpenAI's limits (16 pairs, keys of at
+    most 64 characters, values of at most 512), naming the key, as OpenAI refuses it: taken
+    whatever its size, a client's tags that OpenAI refuses worked here only."""
+    if not metadata:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise Refusal(invalid(f"metadata: {len(metadata)} pairs, at most {METADATA_PAIRS}"),
+                      "metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY:
+            raise Refusal(invalid(f"metadata key {shown(key, 80)}: {len(key)} characters, at "
+                                  f"most {METADATA_KEY}"), f"metadata.{key[:80]}")
+        if len(value) > METADATA_VALUE:
+            raise Refusal(invalid(f"metadata.{key}: a value of {len(value)} characters, at "
+                                  f"most {METADATA_VALUE}"), f"metadata.{key}")
+
+
 def refusal(body: _Body) -> None:
     """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
+    metadata_refusal(getattr(body, "metadata", None))
     for name, neutral, why in _refused_fields(type(body)):
         if not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)

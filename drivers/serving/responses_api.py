@@ -41,6 +41,7 @@ from calexec.drivers.serving.openai_api import (
     Refusal,
     auth_refusal,
     invalid,
+    metadata_refusal,
     parse,
 )
 from calexec.drivers.serving.service import CompletionService
@@ -148,6 +149,7 @@ def _check_include(include: Any) -> None:
 
 def unsupported(body: ResponsesRequest) -> None:
     """:class:`Refusal` for the first field this server cannot honour."""
+    metadata_refusal(body.metadata)
     if body.previous_response_id is not None:
         raise refuse(f"previous_response_id={shown(body.previous_response_id, 80)}: "
                      f"{NOTHING_STORED}", "previous_response_id")
@@ -330,9 +332,10 @@ def response_format(text: dict[str, Any] | None) -> Any:
     extra = sorted(set(text) - {"format", "verbosity"})
     if extra:
         raise refuse(f"text.{extra[0][:80]}: unknown key, refused", f"text.{extra[0][:80]}")
-    if text.get("verbosity") is not None:
-        raise refuse(f"text.verbosity={shown(text['verbosity'], 80)}: not supported",
-                     "text.verbosity")
+    if text.get("verbosity") not in (None, "medium"):  # the default (the Agents SDK sends it)
+        raise refuse(f"text.verbosity={shown(text['verbosity'], 80)}: only \"medium\" (the "
+                     "default): the served model has one verbosity, so \"low\" or \"high\" "
+                     "cannot be honoured", "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -462,7 +465,8 @@ class Answer:
             "previous_response_id": None, "reasoning": None,
             "service_tier": "default", "store": False,  # nothing is kept, whatever was asked
             "temperature": 0.0 if body.temperature is None else body.temperature,
-            "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+            "text": {"format": (body.text or {}).get("format") or {"type": "text"},
+                     "verbosity": "medium"},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
             "truncation": "disabled", "usage": self.usage, "user": body.user}
