@@ -494,3 +494,25 @@ def test_metadata_past_openais_limits_is_refused_naming_the_key(live, metadata, 
     assert r.metadata == at_limits
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                    max_completion_tokens=1, metadata=at_limits)
+
+
+
+def test_the_response_and_its_events_validate_as_the_sdks_types(live):
+    """The usage lacked ``input_tokens_details.cache_write_tokens``, which the SDK's
+    ``ResponseUsage`` (openai 3.51) requires: the SDK builds its objects without validating, so
+    ``responses.create`` read it, but a client validating the JSON (``Response.model_validate``,
+    as a typed proxy or a recorded-turn replay does) was refused every Response and the
+    completed/incomplete events. Now each one validates, whole and streamed."""
+    server, _, _ = live
+    from openai.types.responses import Response, ResponseStreamEvent
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S,
+                   json={"input": "x", "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    response = Response.model_validate(r.json())
+    assert response.usage is not None and response.usage.input_tokens_details.cached_tokens == 0
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+            "input": "x", "stream": True, "max_output_tokens": 2}) as streamed:
+        events = _events(streamed.read().decode())
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    kinds = [type(adapter.validate_python(data)).__name__ for _, data in events]
+    assert kinds[-1] == "ResponseIncompleteEvent"

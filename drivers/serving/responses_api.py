@@ -444,7 +444,8 @@ class Answer:
 
     def set_usage(self, usage: dict[str, Any]) -> None:
         self.usage = {"input_tokens": usage["prompt_tokens"],
-                      "input_tokens_details": {"cached_tokens": 0},
+                      # cache_write_tokens: required by the SDK's ResponseUsage (3.51)
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens": usage["completion_tokens"],
                       "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": usage["total_tokens"]}
