@@ -496,6 +496,74 @@ def test_metadata_past_openais_limits_is_refused_naming_the_key(live, metadata, 
                                    max_completion_tokens=1, metadata=at_limits)
 
 
+# ---- stop 63 (clients third): logprobs -------------------------------------------------------
+LOGPROBS = "message.output_text.logprobs"
+
+
+def test_logprobs_are_the_chat_routes_on_the_output_text(live):
+    """``include=["message.output_text.logprobs"]`` and ``top_logprobs`` were 400s: now the
+    output text's part carries chat's logprobs of the same request (token, logprob, bytes,
+    top_logprobs), in the SDK's types, the bytes writing the text."""
+    _, client, _ = live
+    r = client.responses.create(model=MODEL, input="x", max_output_tokens=6, include=[LOGPROBS],
+                                top_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user",
+                                                                  "content": "x"}],
+                                          max_completion_tokens=6, logprobs=True,
+                                          top_logprobs=2)
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    part = r.output[0].content[0]
+    assert part.logprobs is not None and len(part.logprobs) == 6
+    assert [e.model_dump() for e in part.logprobs] == expected
+    assert all(len(e.top_logprobs) == 2 for e in part.logprobs)
+    assert bytes(b for e in part.logprobs for b in e.bytes).decode() == r.output_text
+    # include alone: the token's own logprob, no top tokens; neither: none at all
+    alone = client.responses.create(model=MODEL, input="x", max_output_tokens=6,
+                                    include=[LOGPROBS])
+    assert [e.logprob for e in alone.output[0].content[0].logprobs] == \
+        [e["logprob"] for e in expected]
+    assert all(e.top_logprobs == [] for e in alone.output[0].content[0].logprobs)
+    plain = client.responses.create(model=MODEL, input="x", max_output_tokens=6)
+    assert plain.output[0].content[0].logprobs == []
+
+
+def test_streamed_logprobs_ride_the_text_deltas_and_add_up_to_the_whole(live):
+    """Streamed, each ``response.output_text.delta`` carries its tokens' logprobs (every event
+    validated as the SDK types it); together, and on the done events and the completed
+    Response, they are the whole answer's."""
+    server, client, _ = live
+    from openai.types.responses import Response, ResponseStreamEvent
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    whole = client.responses.create(model=MODEL, input="x", max_output_tokens=6,
+                                    include=[LOGPROBS], top_logprobs=3)
+    expected = [e.model_dump() for e in whole.output[0].content[0].logprobs]
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=TIMEOUT_S, json={
+            "input": "x", "stream": True, "max_output_tokens": 6, "include": [LOGPROBS],
+            "top_logprobs": 3}) as r:
+        assert r.status_code == 200
+        events = _events(r.read().decode())
+    for _, data in events:
+        adapter.validate_python(data)
+    deltas = [e for k, d in events if k == "response.output_text.delta" for e in d["logprobs"]]
+    assert deltas == expected
+    done = next(d for k, d in events if k == "response.output_text.done")
+    assert done["logprobs"] == expected
+    final = Response.model_validate(events[-1][1]["response"])
+    assert [e.model_dump() for e in final.output[0].content[0].logprobs] == expected
+
+
+@pytest.mark.parametrize(("include", "param"), [
+    (["reasoning.encrypted_content"], "include.0"),
+    ([LOGPROBS, "file_search_call.results"], "include.1"),
+    ("message.output_text.logprobs", "include"),
+])
+def test_an_include_this_server_cannot_give_is_refused_naming_it(live, include, param):
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/responses", timeout=TIMEOUT_S,
+                   json={"input": "x", "max_output_tokens": 1, "include": include})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
 
 def test_the_response_and_its_events_validate_as_the_sdks_types(live):
     """The usage lacked ``input_tokens_details.cache_write_tokens``, which the SDK's
@@ -516,3 +584,12 @@ def test_the_response_and_its_events_validate_as_the_sdks_types(live):
     adapter = pydantic.TypeAdapter(ResponseStreamEvent)
     kinds = [type(adapter.validate_python(data)).__name__ for _, data in events]
     assert kinds[-1] == "ResponseIncompleteEvent"
+
+
+def test_the_text_s_logprobs_stop_where_its_bytes_end():
+    """Before tool calls, the message's logprobs are the tokens that wrote its text, not the
+    calls' markup (a whole answer's chat logprobs hold every token)."""
+    from calexec.drivers.serving.responses_api import text_logprobs
+    entries = [{"token": t, "bytes": list(t.encode())} for t in ("Hi", " é", "\n<tool_call>")]
+    assert text_logprobs(entries, "Hi é") == entries[:2]
+    assert text_logprobs(entries, "") == []

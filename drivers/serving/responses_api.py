@@ -59,6 +59,8 @@ ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
 TEXT_PARTS = ("input_text", "output_text")
 log = logging.getLogger(__name__)
 
+#: the ``include`` that asks for the output text's logprobs (the only one honoured)
+LOGPROBS = "message.output_text.logprobs"
 NOTHING_STORED = ("this server stores no responses (store is accepted, nothing is kept): "
                   "send the whole conversation in input")
 
@@ -104,7 +106,7 @@ class ResponsesRequest(BaseModel):
     include: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # above 0 refused
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # chat's top_logprobs
     context_management: Any = None
 
     @model_validator(mode="before")
@@ -126,7 +128,7 @@ def refuse(message: str, param: str) -> Refusal:
 #: to add and they are accepted, as vLLM accepts them: a client that always asks for
 #: ``reasoning.encrypted_content`` with ``store: false`` (Inspect's ``openai`` provider for a
 #: model it does not know, Codex-style agents) is served. ``message.output_text.logprobs`` asks
-#: for data this route does not give (as ``top_logprobs``): refused.
+#: is given (the output text's logprobs, as ``top_logprobs``, through chat's logprobs).
 VACUOUS_INCLUDES = frozenset({
     "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
     "web_search_call.action.sources", "message.input_image.image_url",
@@ -139,12 +141,10 @@ def _check_include(include: Any) -> None:
     if not isinstance(include, list):
         raise refuse(f"include={shown(include, 80)}: must be a list of strings", "include")
     for i, value in enumerate(include):
-        if value == "message.output_text.logprobs":
-            raise refuse(f"include.{i}={shown(value, 80)}: logprobs are not supported on "
-                         "/v1/responses (they are on /v1/chat/completions)", f"include.{i}")
-        if not isinstance(value, str) or value not in VACUOUS_INCLUDES:
+        # (the output text's logprobs are given; the others name items never output)
+        if not isinstance(value, str) or (value != LOGPROBS and value not in VACUOUS_INCLUDES):
             raise refuse(f"include.{i}={shown(value, 80)}: not one of "
-                         f"{', '.join(sorted(VACUOUS_INCLUDES))}", f"include.{i}")
+                         f"{', '.join(sorted({LOGPROBS, *VACUOUS_INCLUDES}))}", f"include.{i}")
 
 
 def unsupported(body: ResponsesRequest) -> None:
@@ -170,10 +170,6 @@ def unsupported(body: ResponsesRequest) -> None:
     if body.max_tool_calls is not None:
         raise refuse(f"max_tool_calls={shown(body.max_tool_calls, 80)}: not supported",
                      "max_tool_calls")
-    if body.top_logprobs:
-        raise refuse(f"top_logprobs={shown(body.top_logprobs, 80)}: logprobs are not "
-                     "supported on /v1/responses (they are on /v1/chat/completions)",
-                     "top_logprobs")
     if body.context_management is not None:
         raise refuse(f"context_management={shown(body.context_management, 80)}: not "
                      "supported", "context_management")
@@ -353,6 +349,34 @@ def response_format(text: dict[str, Any] | None) -> Any:
                  "json_schema", "text.format.type")
 
 
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Whether the output text carries logprobs: ``include`` names them, or ``top_logprobs``
+    asks for some (as OpenAI: top tokens are given with the logprobs they belong to)."""
+    return LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
+
+
+def logprobs_of(chat_logprobs: Any) -> list[dict[str, Any]]:
+    """The Responses' ``logprobs`` (``{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}]}`` per token) of a chat choice's or chunk's ``logprobs`` (its ``content``: the same
+    entries), empty when it has none."""
+    if not isinstance(chat_logprobs, dict):
+        return []
+    return list(chat_logprobs.get("content") or [])
+
+
+def text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The entries of ``entries`` (a generation's tokens, in order) that wrote ``text``, the
+    output's text before its tool calls: the longest run from the first whose bytes stay
+    within the text's (the calls' tokens are no part of the output text)."""
+    room, kept = len(text.encode()), []
+    for entry in entries:
+        room -= len(entry.get("bytes") or ())
+        if room < 0:
+            break
+        kept.append(entry)
+    return kept
+
+
 def chat_body(body: ResponsesRequest) -> ChatRequest:
     """The chat request that answers ``body`` (checked by chat's own parser)."""
     given: dict[str, Any] = {
@@ -365,6 +389,8 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
         "seed": body.seed, "user": body.user}
     if body.stream:  # the usage of response.completed
         given["stream_options"] = {"include_usage": True}
+    if wants_logprobs(body):  # chat's logprobs, its top_logprobs the same
+        given["logprobs"], given["top_logprobs"] = True, body.top_logprobs or 0
     try:
         return parse(ChatRequest, json.dumps(
             {k: v for k, v in given.items() if v is not None}).encode())
@@ -429,13 +455,15 @@ class Answer:
         self.output: list[dict[str, Any]] = []
         self.usage: dict[str, Any] | None = None
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
+    def message(self, text: str, status: str,
+                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         return {"id": f"msg_{_hex()}", "type": "message", "role": "assistant",
-                "status": status, "content": [self.text_part(text)]}
+                "status": status, "content": [self.text_part(text, logprobs)]}
 
     @staticmethod
-    def text_part(text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": list(logprobs or [])}
 
     @staticmethod
     def call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -480,7 +508,9 @@ class Answer:
         message = choice["message"]
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
-            self.output.append(self.message(message.get("content") or "", status))
+            text, logprobs = message.get("content") or "", logprobs_of(choice.get("logprobs"))
+            self.output.append(self.message(text, status, text_logprobs(logprobs, text)
+                                            if calls else logprobs))
         for call in calls:
             self.output.append(self.call(call["id"], call["function"]["name"],
                                          call["function"]["arguments"], "completed"))
@@ -500,6 +530,8 @@ class EventStream:
         self.calls: dict[int, tuple[int, dict[str, Any]]] = {}  # chat index -> (output, item)
         self.open_call: int | None = None  # the chat index of the call being streamed
         self.finish: str | None = None
+        #: logprobs of tokens whose text is not sent yet (held back, or the end's)
+        self.pending: list[dict[str, Any]] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -511,18 +543,24 @@ class EventStream:
         return (self.event("response.created", response=response)
                 + self.event("response.in_progress", response=response))
 
-    def _close_text(self, status: str = "completed") -> bytes:
+    def _close_text(self, status: str = "completed", call: bool = False) -> bytes:
+        """Close the open message; ``call``: a tool call follows (the logprobs not sent yet
+        are its markup's, not the text's)."""
         item = self.text
         if item is None:
             return b""
         self.text = None
         item["status"] = status
-        text = item["content"][0]["text"]
+        part = item["content"][0]
+        if not call:
+            part["logprobs"] += self.pending
+        self.pending = []
+        text, logprobs = part["text"], part["logprobs"]
         at = {"item_id": item["id"], "output_index": self.text_index}
         return (self.event("response.output_text.done", **at, content_index=0, text=text,
-                           logprobs=[])
+                           logprobs=logprobs)
                 + self.event("response.content_part.done", **at, content_index=0,
-                             part=Answer.text_part(text))
+                             part=Answer.text_part(text, logprobs))
                 + self.event("response.output_item.done", output_index=self.text_index,
                              item=dict(item, content=[dict(item["content"][0])])))
 
@@ -536,7 +574,7 @@ class EventStream:
                            output_index=index, arguments=item["arguments"], name=item["name"])
                 + self.event("response.output_item.done", output_index=index, item=dict(item)))
 
-    def _text(self, delta: str) -> bytes:
+    def _text(self, delta: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
         out = b""
         if self.text is None:
             out += self._close_call()
@@ -550,17 +588,20 @@ class EventStream:
             self.text["content"].append(Answer.text_part(""))
             out += self.event("response.content_part.added", **at, content_index=0,
                               part=Answer.text_part(""))
+        sent = self.pending + list(logprobs or [])
+        self.pending = []
         self.text["content"][0]["text"] += delta
+        self.text["content"][0]["logprobs"] += sent
         return out + self.event("response.output_text.delta", item_id=self.text["id"],
                                 output_index=self.text_index, content_index=0, delta=delta,
-                                logprobs=[])
+                                logprobs=sent)
 
     def _call(self, piece: dict[str, Any]) -> bytes:
         out = b""
         k = piece.get("index", 0)
         function = piece.get("function") or {}
         if k not in self.calls:
-            out += self._close_text() + self._close_call()
+            out += self._close_text(call=True) + self._close_call()
             item = Answer.call(piece.get("id") or "", function.get("name") or "", "",
                                "in_progress")
             self.calls[k] = (len(self.answer.output), item)
@@ -582,8 +623,11 @@ class EventStream:
         out = b""
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            logprobs = logprobs_of(choice.get("logprobs"))
             if delta.get("content"):
-                out += self._text(delta["content"])
+                out += self._text(delta["content"], logprobs)
+            elif not delta.get("tool_calls"):  # text held back, or the end's token
+                self.pending += logprobs
             for piece in delta.get("tool_calls") or ():
                 out += self._call(piece)
             if choice.get("finish_reason") is not None:
