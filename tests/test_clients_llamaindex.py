@@ -4,7 +4,9 @@ unmodified, against a loopback server on the synthetic model: ``complete``, ``ch
 and its async API (``acomplete``, ``astream_complete``, ``achat``, ``astream_chat``, as a chat
 model and not): one by one, 12 at once (``asyncio.gather``), and a consumer task cancelled in
 the middle of a stream or a whole answer, or more of them than the server has sequence ids
-(some waiting for one), after which the server holds nothing.
+(some waiting for one), after which the server holds nothing. And ``OpenAIResponses``
+(``llama-index-llms-openai``) on /v1/responses: complete, chat, their streams, a required
+tool call, ``structured_predict``.
 
 Installed by ``.ci/clients`` only, without pip's dependency check for one package:
 ``llama-index-llms-openai`` (which ``OpenAILike`` subclasses) declares ``openai<3``, and the
@@ -20,6 +22,7 @@ import asyncio
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 from calexec.drivers.serving import byte_tokenizer as tokenizer
@@ -37,6 +40,9 @@ INSTALL = ("bash .ci/clients installs it (llama-index-core, then llama-index-llm
            "llama-index-llms-openai-like with --no-deps: they declare openai<3)")
 openai_like = module("llama_index.llms.openai_like", "clients", INSTALL)
 llms = module("llama_index.core.llms", "clients", INSTALL)
+li_openai = module("llama_index.llms.openai", "clients", INSTALL)
+li_tools = module("llama_index.core.tools", "clients", INSTALL)
+li_prompts = module("llama_index.core.prompts", "clients", INSTALL)
 
 TIMEOUT_S = 10.0
 
@@ -325,3 +331,62 @@ def test_cancelling_consumers_some_of_which_wait_for_a_sequence_id_frees_everyth
     assert counts["free"] == counts["capacity"], counts
     assert _ran_to_length(server) == length_before
     assert _openai_like(server).complete("after").text == _greedy("after")
+
+
+# ---- OpenAIResponses: the same client on /v1/responses (stop 63, clients third) -----------------
+def _responses_llm(server, max_output_tokens: int = 4):
+    return li_openai.OpenAIResponses(model=MODEL, api_base=f"{server.url}/v1", api_key="unused",
+                                     temperature=0, max_output_tokens=max_output_tokens,
+                                     timeout=TIMEOUT_S, max_retries=0, context_window=2048)
+
+
+def test_openai_responses_complete_chat_and_stream_answer_the_oracle(served):
+    """llama-index's ``OpenAIResponses`` (llama-index-llms-openai) against /v1/responses:
+    ``complete``, ``chat``, ``stream_complete``, ``stream_chat`` are the oracle's greedy
+    continuation of the conversation the server's template renders (a prompt is one user
+    message)."""
+    llm = _responses_llm(served[0])
+    expected = _greedy("user: Once upon\nassistant:")
+    assert llm.complete("Once upon").text == expected
+    assert "".join(r.delta or "" for r in llm.stream_complete("Once upon")) == expected
+    # llama-index sends a system message as a "developer" one on the Responses API (the plain
+    # template renders the role as given)
+    rendered = _greedy("developer: You are terse.\nuser: Hi!\nassistant:")
+    reply = llm.chat(_chat_messages("Hi!"))
+    assert reply.message.role == "assistant" and reply.message.content == rendered
+    assert "".join(r.delta or "" for r in llm.stream_chat(_chat_messages("Hi!"))) == rendered
+
+
+class _City(pydantic.BaseModel):
+    # bounded: the synthetic model's random weights never close an unbounded string
+    city: str = pydantic.Field(max_length=8)
+
+
+class _Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=150)
+
+
+def test_openai_responses_calls_a_tool_and_predicts_a_structure(served):
+    """A required tool call (``chat_with_tools``, ``predict_and_call``: the function runs on
+    the arguments the grammar held to its schema) and ``structured_predict`` of a pydantic
+    model (its JSON schema as ``text.format``)."""
+    called: list[str] = []
+
+    def get_weather(city: str) -> str:
+        called.append(city)
+        return f"sunny in {city}"
+
+    tool = li_tools.FunctionTool.from_defaults(get_weather, name="get_weather",
+                                               description="The weather in a city.",
+                                               fn_schema=_City)
+    llm = _responses_llm(served[0], max_output_tokens=120)
+    reply = llm.chat_with_tools([tool], user_msg="weather?", tool_required=True)
+    [selection] = llm.get_tool_calls_from_response(reply)
+    assert selection.tool_name == "get_weather"
+    assert _City.model_validate(selection.tool_kwargs)
+    answer = llm.predict_and_call([tool], user_msg="weather?", tool_required=True)
+    assert len(called) == 1 and answer.response == f"sunny in {called[0]}"
+    person = llm.structured_predict(_Person, li_prompts.PromptTemplate("a person: {x}"),
+                                    x="y")
+    assert isinstance(person, _Person) and 0 <= person.age <= 150
