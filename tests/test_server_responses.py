@@ -593,3 +593,38 @@ def test_the_text_s_logprobs_stop_where_its_bytes_end():
     entries = [{"token": t, "bytes": list(t.encode())} for t in ("Hi", " é", "\n<tool_call>")]
     assert text_logprobs(entries, "Hi é") == entries[:2]
     assert text_logprobs(entries, "") == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_at_max_output_tokens_is_incomplete_not_completed(live, stream):
+    """A function call whose arguments the output's maximum cut (``{"city":"N÷N~``, no
+    whole JSON) said ``status: "completed"``: a client trusting it ran the function on
+    arguments that do not parse. Now "incomplete", whole and streamed; a call that ends
+    within the budget stays "completed"."""
+    server, _, _ = live
+    from openai.types.responses import Response
+    tool = {"type": "function", "name": "echo", "parameters": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+    statuses = {}
+    for budget in (4, 200):
+        body = {"input": "x", "tools": [tool], "stream": stream, "max_output_tokens": budget,
+                "tool_choice": {"type": "function", "name": "echo"}}
+        if stream:
+            with httpx.stream("POST", f"{server.url}/v1/responses", timeout=30,
+                              json=body) as r:
+                events = _events(r.read().decode())
+            response = Response.model_validate(events[-1][1]["response"])
+            done = [d["item"] for k, d in events if k == "response.output_item.done"]
+            assert [item["status"] for item in done] == [o.status for o in response.output]
+        else:
+            r = httpx.post(f"{server.url}/v1/responses", timeout=30, json=body)
+            response = Response.model_validate(r.json())
+        [call] = [o for o in response.output if o.type == "function_call"]
+        statuses[budget] = (response.status, call.status)
+        try:
+            json.loads(call.arguments)
+            whole = True
+        except ValueError:
+            whole = False
+        assert (call.status == "completed") == whole, call
+    assert statuses[4] == ("incomplete", "incomplete")

@@ -377,6 +377,17 @@ def text_logprobs(entries: list[dict[str, Any]], text: str) -> list[dict[str, An
     return kept
 
 
+def call_status(arguments: str, cut: bool) -> str:
+    """A function call's ``status``: "incomplete" when the output was ``cut`` at its maximum
+    in the call's arguments (they are no whole JSON), else "completed"."""
+    if cut:
+        try:
+            json.loads(arguments)
+        except ValueError:
+            return "incomplete"
+    return "completed"
+
+
 def chat_body(body: ResponsesRequest) -> ChatRequest:
     """The chat request that answers ``body`` (checked by chat's own parser)."""
     given: dict[str, Any] = {
@@ -511,9 +522,11 @@ class Answer:
             text, logprobs = message.get("content") or "", logprobs_of(choice.get("logprobs"))
             self.output.append(self.message(text, status, text_logprobs(logprobs, text)
                                             if calls else logprobs))
-        for call in calls:
-            self.output.append(self.call(call["id"], call["function"]["name"],
-                                         call["function"]["arguments"], "completed"))
+        for k, call in enumerate(calls):
+            arguments = call["function"]["arguments"]
+            self.output.append(self.call(call["id"], call["function"]["name"], arguments,
+                                         call_status(arguments, finish == "length"
+                                                     and k == len(calls) - 1)))
         self.set_usage(chat["usage"])
         return self.response(status, finish)
 
@@ -564,12 +577,13 @@ class EventStream:
                 + self.event("response.output_item.done", output_index=self.text_index,
                              item=dict(item, content=[dict(item["content"][0])])))
 
-    def _close_call(self) -> bytes:
+    def _close_call(self, cut: bool = False) -> bytes:
+        """Close the open call; ``cut``: the output ended at its maximum, maybe in it."""
         if self.open_call is None:
             return b""
         index, item = self.calls[self.open_call]
         self.open_call = None
-        item["status"] = "completed"
+        item["status"] = call_status(item["arguments"], cut)
         return (self.event("response.function_call_arguments.done", item_id=item["id"],
                            output_index=index, arguments=item["arguments"], name=item["name"])
                 + self.event("response.output_item.done", output_index=index, item=dict(item)))
@@ -637,7 +651,7 @@ class EventStream:
     def end(self) -> bytes:
         incomplete = self.finish == "length"
         status = "incomplete" if incomplete else "completed"
-        out = self._close_text(status) + self._close_call()
+        out = self._close_text(status) + self._close_call(incomplete)
         if not self.answer.output:  # no text, no call: the empty message, as whole() has it
             out += self._text("") + self._close_text(status)
         return out + self.event(f"response.{status}",
