@@ -14,6 +14,7 @@ CI-sized: ``CALEXEC_STRUCTURED_EXAMPLES`` (default 10) schemas per hypothesis te
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -729,3 +730,84 @@ def test_without_llguidance_the_fields_say_which_package_to_install(live, monkey
     # tools that are not called need no grammar
     r = post(server, chat_body(tools=[CLOCK], tool_choice="none", max_tokens=2))
     assert r.status_code == 200, r.text
+
+
+# ---- numbers a double holds (stop 63, clients third) -----------------------------------------
+NUMBERS = {"type": "object", "properties": {
+    "x": {"type": "number"},
+    "xs": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+    "either": {"anyOf": [{"type": "number"}, {"type": "string", "maxLength": 4}]},
+    "n": {"type": "integer"}},
+    "required": ["x", "xs", "either", "n"], "additionalProperties": False}
+MEASURE = {"type": "function", "function": {"name": "measure", "parameters": NUMBERS}}
+HUGE = "1" + "0" * 308  # 10^308: an integer part past a double's range (1.797e308)
+
+
+def _numbers_plans(llguidance) -> dict[str, Any]:
+    """The grammar of the ``NUMBERS`` object in every place a number can be written: the
+    answer's, a required, named, "auto" tool call's arguments, "auto" with response_format."""
+    tok, vocab, end = ByteTokenizer(), 151936, 151643
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": NUMBERS}}
+    return {
+        "answer": (grammar.completion_structure(rf, tok, vocab, end), ""),
+        "required": (grammar.chat_structure(None, grammar.tool_setup([MEASURE], "required"),
+                                            None, tok, vocab, end),
+                     '<tool_call>\n{"name":"measure","arguments":'),
+        "named": (grammar.chat_structure(None, grammar.tool_setup(
+            [MEASURE], {"type": "function", "function": {"name": "measure"}}), None, tok,
+            vocab, end), ""),
+        "auto": (grammar.chat_structure(None, grammar.tool_setup([MEASURE], "auto"), None, tok,
+                                        vocab, end),
+                 'let me see <tool_call>\n{"name":"measure","arguments":'),
+        "auto-answer": (grammar.chat_structure(rf, grammar.tool_setup([MEASURE], "auto"), None,
+                                               tok, vocab, end), ""),
+    }
+
+
+def _refused_at(plan, text: str) -> int | None:
+    """Where the grammar's mask first refuses a byte of ``text`` (None: all allowed)."""
+    state = plan.start()
+    for i, byte in enumerate(text.encode()):
+        if not state.allowed()[256 + byte]:
+            return i
+        state.accept(256 + byte)
+    return None
+
+
+@pytest.mark.parametrize("place", ["answer", "required", "named", "auto", "auto-answer"])
+def test_every_number_the_grammar_lets_through_is_finite(llguidance, place):
+    """llguidance's JSON number takes any exponent and any number of digits: ``1e999`` (or
+    309 digits then ``.0``) was written where a schema said ``number``, and Python, pydantic
+    and JavaScript read it as Infinity (``.parse()`` gave ``inf`` for a float field). Now, in
+    a property, an array's items, an anyOf branch, an integer, a tool call's arguments (every
+    tool_choice), a number's magnitude stays below 10^308; a negative exponent, a fraction,
+    1e307 and 308 digits are still written."""
+    plan, before = _numbers_plans(llguidance)[place]
+    fine = before + '{"x":1e307,"xs":[-9.5E+306,1e-999,' + HUGE[:-1] + '.25],"either":' \
+        '12e306,"n":' + HUGE[:-1] + '}'
+    assert _refused_at(plan, fine) is None
+    for bad in ('{"x":1e308', '{"x":1,"xs":[2,1E+0309', '{"x":-' + HUGE,
+                '{"x":1,"xs":[],"either":99e307', '{"x":1,"xs":[],"either":1,"n":' + HUGE):
+        assert _refused_at(plan, before + bad) == len(before + bad) - 1, bad
+
+
+class Reading(pydantic.BaseModel):
+    value: float
+    more: list[float] = pydantic.Field(max_length=3)
+
+
+def test_the_sdks_parse_gives_finite_floats(live, llguidance):
+    """``chat.completions.parse`` and ``responses.parse`` of a pydantic model with float
+    fields, sampled (temperature 1, seeds 0..9): every float finite (before, seed 2 alone gave
+    ``{"a":8E0439466240008,...}``, ``inf``)."""
+    _, client = live
+    for seed in range(10):
+        chat = client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "numbers"}],
+            response_format=Reading, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed)
+        answer = client.responses.parse(model=MODEL, input="numbers", text_format=Reading,
+                                        max_output_tokens=MAX_TOKENS, temperature=1.0,
+                                        extra_body={"seed": seed})
+        for parsed in (chat.choices[0].message.parsed, answer.output_parsed):
+            assert parsed is not None
+            assert all(math.isfinite(v) for v in (parsed.value, *parsed.more)), (seed, parsed)

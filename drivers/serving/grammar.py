@@ -138,10 +138,14 @@ class Constraint:
     end token is replaced by the server's ``end_token`` in the mask (a Hugging Face tokenizer's
     may differ): it is allowed exactly when the grammar may end."""
 
-    def __init__(self, matcher: Any, vocab: int, end_token: int, ll_eos: Sequence[int]) -> None:
+    def __init__(self, matcher: Any, vocab: int, end_token: int, ll_eos: Sequence[int],
+                 finite: Any = None) -> None:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
         self._fill = fill_next_token_bitmask
         self._matcher = matcher
+        #: the matcher of :data:`FINITE_JSON`'s mirror of the grammar (None: no JSON), whose
+        #: mask is intersected with the grammar's: every number a double holds finitely
+        self._finite = finite
         self._vocab = vocab
         self._end = end_token
         self._ll_eos = [t for t in ll_eos if t != end_token]
@@ -151,9 +155,9 @@ class Constraint:
         if self._matcher.is_error() or self._matcher.is_stopped():
             mask = np.zeros(self._vocab, dtype=bool)
         else:
-            self._fill(self._matcher, self._bits)
-            mask = np.unpackbits(self._bits[0].view(np.uint8),
-                                 bitorder="little")[:self._vocab].astype(bool)
+            mask = self._mask(self._matcher)
+            if self._finite is not None and not self._finite.is_error():
+                mask &= self._mask(self._finite)
         ends = mask[self._end] or any(mask[t] for t in self._ll_eos if t < self._vocab)
         for t in self._ll_eos:
             if t < self._vocab:
@@ -163,10 +167,17 @@ class Constraint:
             mask[self._end] = bool(ends) or not mask.any()
         return mask
 
+    def _mask(self, matcher: Any) -> np.ndarray:
+        self._fill(matcher, self._bits)
+        return np.unpackbits(self._bits[0].view(np.uint8),
+                             bitorder="little")[:self._vocab].astype(bool)
+
     def accept(self, token: int) -> None:
         if token == self._end:
             return  # the generation ends (the server stops on it)
         self._matcher.consume_token(token)  # a refused token leaves it in an error state
+        if self._finite is not None:
+            self._finite.consume_token(token)
 
     @property
     def finished(self) -> bool:
@@ -174,7 +185,60 @@ class Constraint:
 
     @property
     def error(self) -> str:
+        if self._finite is not None and self._finite.is_error():
+            return f"a number past a double's range: {self._finite.get_error()}"
         return str(self._matcher.get_error())
+
+
+# ---- numbers a double holds ------------------------------------------------------------------
+def _upto(n: int) -> str:
+    """A regex of the decimal integers 0..``n`` (no leading zero)."""
+    digits = str(n)
+    parts = ["[0-9]" if k == 1 else f"[1-9][0-9]{{{k - 1}}}" for k in range(1, len(digits))]
+    for i, ch in enumerate(digits):
+        low = 1 if i == 0 and len(digits) > 1 else 0
+        if int(ch) > low:
+            rest = len(digits) - i - 1
+            parts.append(digits[:i] + f"[{low}-{int(ch) - 1}]"
+                         + (f"[0-9]{{{rest}}}" if rest else ""))
+    parts.append(digits)
+    return "(" + "|".join(parts) + ")"
+
+
+#: the most decimal digits of a finite double's integer part (below 10^308 < 1.797e308)
+MAX_DIGITS = 308
+#: integer parts of up to this many digits may take a positive exponent (as many as the
+#: digits leave below 10^308); longer ones only a negative one
+EXPONENT_DIGITS = 18
+
+
+def _finite_number() -> str:
+    """A regex of the JSON numbers whose magnitude is below 10^308 (so a double holds them
+    finitely): an integer part of d digits takes a positive exponent of at most 308 - d
+    (leading zeros of the exponent allowed, as JSON allows them); a negative exponent, a
+    fraction, are never past the range. JSON's own number allows any exponent: ``1e999``
+    (and 400 digits then ``.0``) is what Python, pydantic and JavaScript read as Infinity."""
+    fraction = r"(\.[0-9]+)?"
+    forms = []
+    for d in range(1, EXPONENT_DIGITS + 1):
+        head = "(0|[1-9])" if d == 1 else f"[1-9][0-9]{{{d - 1}}}"
+        forms.append(f"{head}{fraction}([eE](-[0-9]+|\\+?0*{_upto(MAX_DIGITS - d)}))?")
+    forms.append(f"[1-9][0-9]{{{EXPONENT_DIGITS},{MAX_DIGITS - 1}}}{fraction}"
+                 "([eE](-[0-9]+|\\+?0+))?")
+    return "-?(" + "|".join(forms) + ")"
+
+
+#: a Lark grammar of JSON values (compact, as :data:`JSON_OPTIONS` writes them) whose numbers
+#: a double holds finitely (:func:`_finite_number`), any strings (a superset of what a schema
+#: allows): the mirror each grammar's JSON is also held to (:class:`Constraint`), as
+#: llguidance's JSON takes any exponent and has no option to bound it
+FINITE_JSON = "\n".join([
+    'fvalue: fobject | farray | FSTRING | FNUMBER | "true" | "false" | "null"',
+    'fobject: "{" "}" | "{" fpair ("," fpair)* "}"',
+    'fpair: FSTRING ":" fvalue',
+    'farray: "[" "]" | "[" fvalue ("," fvalue)* "]"',
+    r'FSTRING: /"(\\.|[^"\\])*"/',
+    f"FNUMBER: /{_finite_number()}/"])
 
 
 # ---- what a request asks for --------------------------------------------------------------------
@@ -206,11 +270,17 @@ class Structure:
     #: ``tool_choice`` named the function ``tool_choice`` (which may be called "auto",
     #: "required" or "none": a name, not the mode)
     named: bool = False
+    #: the grammar's mirror (its layout, each JSON value any of :data:`FINITE_JSON`'s), whose
+    #: mask the grammar's is intersected with: every number finite as a double
+    finite: str | None = None
 
     def start(self) -> Constraint:
         from llguidance import LLMatcher
         matcher = LLMatcher(self.tokenizer, self.grammar, log_level=0)
-        return Constraint(matcher, self.vocab, self.end_token, list(self.tokenizer.eos_tokens))
+        mirror = None if self.finite is None else LLMatcher(self.tokenizer, self.finite,
+                                                            log_level=0)
+        return Constraint(matcher, self.vocab, self.end_token, list(self.tokenizer.eos_tokens),
+                          mirror)
 
 
 @attrs.frozen
@@ -950,7 +1020,14 @@ def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_t
                       f"{response_format.get('type')}")
     grammar = _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param,
                                        schema), ll, param)
-    return Structure(grammar, ll, vocab, end_token)
+    return Structure(grammar, ll, vocab, end_token, finite=_finite_mirror(["start: fvalue"]))
+
+
+def _finite_mirror(lines: list[str]) -> str:
+    """The serialized Lark grammar of ``lines`` (whose JSON values are ``fvalue``) with
+    :data:`FINITE_JSON`."""
+    from llguidance import LLMatcher
+    return LLMatcher.grammar_from_lark("\n".join([*lines, FINITE_JSON]))
 
 
 def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup:
@@ -1108,21 +1185,24 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
         # markup and the name, generated, took max_tokens a tight budget needed for the
         # arguments: a call vLLM completes ("stop") ended "length", its markup the content
         return Structure(arguments[setup.choice], ll, vocab, end_token, tuple(tools),
-                         setup.choice, True)
+                         setup.choice, True, _finite_mirror(["start: fvalue"]))
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
+    mirror = lines + [f"fn{i}: fvalue" for i in range(len(tools))]
     lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
     # a named function is called once, as vLLM answers it (the function's arguments, one
     # call) and as OpenAI's forced function: "calls of that one" went on call after call
     # until max_tokens, and an answer cut in the next call's arguments had no call at all
     more = "" if parallel_tool_calls is False or setup.named else ' ("\\n" call)*'
     lines.append("calls: call" + more)
+    mirror.append("calls: call" + more)
     if setup.choice == "auto" and not setup.named:
         if asked is None:  # text without a call, or text (maybe none) then calls
             open_tag = re.escape(CALL_OPEN)
             lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){open_tag}(?s:.*)/")
             lines.append(f"lead[lazy]: /(?s:.*){open_tag}\\n/")
             lines.append('start: TEXT | lead fn "\\n' + CALL_CLOSE + '"' + more)
+            mirror += lines[-3:]
         else:
             schema, strict = asked
             if not isinstance(schema, dict):
@@ -1137,11 +1217,14 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
             lines.append("answer: %json " + json.dumps(
                 {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
             lines.append("start: answer | calls")
+            mirror += ["answer: fvalue", "start: answer | calls"]
     else:
         lines.append("start: calls")
+        mirror.append("start: calls")
     from llguidance import LLMatcher
     grammar = _checked(LLMatcher.grammar_from_lark("\n".join(lines)), ll, "tools")
-    return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice, setup.named)
+    return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice, setup.named,
+                     _finite_mirror(mirror))
 
 
 # ---- tool calls in the output ---------------------------------------------------------------
