@@ -811,3 +811,16 @@ def test_the_sdks_parse_gives_finite_floats(live, llguidance):
         for parsed in (chat.choices[0].message.parsed, answer.output_parsed):
             assert parsed is not None
             assert all(math.isfinite(v) for v in (parsed.value, *parsed.more)), (seed, parsed)
+
+
+def test_a_schema_number_no_answer_writes_is_refused_naming_it(llguidance):
+    """``{"const": 1.5e308}``: finite, but of 309 digits as llguidance writes it, past the
+    numbers an answer may hold (below 10^308): the mask left nothing at its last digit and the
+    answer was cut there, "stop". Now a 400 naming its place."""
+    rf = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"x": {"enum": [1, 1.5e308]}}}}}
+    with pytest.raises(grammar.GrammarError) as caught:
+        grammar.completion_structure(rf, ByteTokenizer(), 151936, 151643)
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert "schema.properties.x.enum[1]=1.5e+308" in str(caught.value), str(caught.value)
+    assert "10^308" in str(caught.value)
