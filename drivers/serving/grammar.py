@@ -748,7 +748,8 @@ def _finite(schema: Any, param: str) -> None:
             raise GrammarError(param, f"{where}={shown(value)}: not a finite number (a number "
                                       "past a double's range, such as 1e400, reads as "
                                       "Infinity): a JSON Schema needs finite numbers")
-        if isinstance(value, float) and abs(value) >= 10.0 ** MAX_DIGITS:
+        if isinstance(value, float) and abs(value) >= 10.0 ** MAX_DIGITS \
+                and (".const" in where or ".enum[" in where):  # a value the answer writes
             raise GrammarError(param, f"{where}={shown(value)}: a number of 10^308 or more in "
                                       "size, which no answer writes (every number written is "
                                       "below 10^308, so that a double holds it): write a "
