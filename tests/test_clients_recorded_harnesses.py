@@ -130,7 +130,7 @@ def test_inspects_reasoning_probe_is_a_400_naming_reasoning(live):
 
 
 @pytest.mark.parametrize(("include", "param"), [
-    (["message.output_text.logprobs"], "include.0"),  # data this route does not give
+    (["message.output_text.logprobs", "reasoning.summary"], "include.1"),  # not OpenAI's
     (["reasoning.encrypted_content", "bogus"], "include.1"),
     ([{"a": 1}], "include.0"),  # not hashable: a 400, never a 500
     ([1], "include.0"),

@@ -553,8 +553,8 @@ def test_streamed_logprobs_ride_the_text_deltas_and_add_up_to_the_whole(live):
 
 
 @pytest.mark.parametrize(("include", "param"), [
-    (["reasoning.encrypted_content"], "include.0"),
-    ([LOGPROBS, "file_search_call.results"], "include.1"),
+    (["bogus"], "include.0"),  # (reasoning.encrypted_content, ...: accepted, nothing to add)
+    ([LOGPROBS, "file_search_call.result"], "include.1"),
     ("message.output_text.logprobs", "include"),
 ])
 def test_an_include_this_server_cannot_give_is_refused_naming_it(live, include, param):
