@@ -254,7 +254,7 @@ SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.serve", "calexec.drive
                "calexec.drivers.tools.bench.server_overhead", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.fleet.ingress",
                "calexec.drivers.tools.chaos",
-               "calexec.drivers.serving.openai_api",
+               "calexec.drivers.serving.openai_api", "calexec.drivers.serving.responses_api",
                "calexec.drivers.serving.resume", "calexec.drivers.serving.service",
                "calexec.drivers.serving.admin", "calexec.drivers.serving.debug",
                "calexec.drivers.serving.error_bodies", "calexec.drivers.serving.wire"}
