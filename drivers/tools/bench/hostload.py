@@ -2,22 +2,32 @@
 worth its number on a quiet host, and a VM cannot see its neighbours except through the CPU
 time the hypervisor took from it (``steal``) and the CPU that other processes used.
 
-``HostMeter`` reads the aggregate ``cpu`` line of ``/proc/stat`` and this process's CPU time
-when the benchmark starts and when it ends, and reports over that span:
+``HostMeter`` reads the aggregate ``cpu`` line of ``/proc/stat`` and the CPU time of the
+benchmark's own process tree when the benchmark starts and when it ends, and reports over that
+span:
 
 * ``steal_pct``: the share of the host's CPU time the hypervisor gave to someone else
   (``/proc/stat``'s steal column over every column): 0 on a quiet VM;
 * ``busy_pct``: the share spent running (not idle, waiting for I/O or stolen), every
-  process's, this one's included;
-* ``others_busy_pct``: ``busy_pct`` minus this process's CPU share: other processes' work
-  (a test suite, another benchmark) competing for the same cores;
+  process's, the benchmark's included;
+* ``own_busy_pct``: the benchmark's own share: this process, every process it started that
+  is still running (``/proc/<pid>/stat`` of each descendant: ``bench server``'s load generator
+  and API process, ``bench overhead``'s C floor program and the ``make`` that builds it) and
+  every one that ended and was waited for inside the span (their ``cutime``/``cstime``);
+  ``own_cpu_s`` that share in CPU seconds, ``own_processes`` how many processes the tree
+  held at the end, ``own_scope`` how it was counted;
+* ``others_busy_pct``: ``busy_pct`` minus ``own_busy_pct``: other work on the host (a test
+  suite, another benchmark, another helper) competing for the same cores;
 * ``loadavg_start`` / ``loadavg_end``: the 1-minute load average at both ends;
 * ``cpuidle_driver``: how an idle core sleeps (``none``: a plain halt, whose wake-up costs
   the hand-offs of every mode more on a VM);
 * ``quiet``: whether the span was a quiet host's (at most ``QUIET_STEAL_PCT`` of the CPU
-  stolen and, unless the benchmark's own helper processes run beside it, at most
-  ``QUIET_OTHERS_PCT`` used by other processes), and ``noise``: why not (None when quiet).
+  stolen and at most ``QUIET_OTHERS_PCT`` used by other processes: the benchmark's own helper
+  processes are its own share, never the others'), and ``noise``: why not (None when quiet).
   The benches say it on stderr at their end: a ratio from a noisy span is no gate figure.
+  (Until stop 63 only this process's CPU was its own, so ``bench server`` could not tell its
+  load generator from other work and ignored other processes altogether: a span with other
+  processes at 75.8 % of the CPU was reported quiet.)
 
 Where ``/proc`` does not exist (not Linux) the report says ``available: false`` and why.
 """
@@ -36,6 +46,8 @@ QUIET_STEAL_PCT = 2.0
 QUIET_OTHERS_PCT = 5.0
 
 #: /proc/stat's cpu columns, in order (proc(5)); guest time is already inside user and nice
+#: the unit of /proc's tick counts (USER_HZ)
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 
 
@@ -70,6 +82,51 @@ def read_cpuidle_driver(path: str | os.PathLike[str]
         return None
 
 
+def _pid_stat(proc: str | os.PathLike[str], pid: str) -> tuple[int, int] | None:
+    """(parent pid, CPU ticks: user + system + waited-for children's) of ``proc/pid/stat``,
+    None when it is gone or unreadable."""
+    try:
+        text = Path(proc, pid, "stat").read_text(encoding="utf-8", errors="replace")
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; fields after the
+        # last ")" are state, ppid, ... utime (14th field), stime, cutime, cstime (17th)
+        rest = text[text.rindex(")") + 1:].split()
+        return int(rest[1]), sum(int(v) for v in rest[11:15])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_tree_ticks(pid: int | None = None, proc: str | os.PathLike[str] = "/proc"
+                    ) -> tuple[int, int] | None:
+    """(CPU ticks, processes) of process ``pid`` (default: this one) and every live
+    descendant of it: each one's user and system time and its waited-for children's
+    (``cutime``/``cstime``: a helper that ended and was reaped is still counted). None when
+    ``proc/pid/stat`` is not readable (not Linux)."""
+    root = str(pid if pid is not None else os.getpid())
+    try:
+        names = [e.name for e in os.scandir(proc) if e.name.isdigit()]
+    except OSError:
+        return None
+    children: dict[int, list[str]] = {}
+    ticks: dict[str, int] = {}
+    for name in names:
+        got = _pid_stat(proc, name)
+        if got is not None:  # (a process that ended between the listing and the read: none)
+            children.setdefault(got[0], []).append(name)
+            ticks[name] = got[1]
+    if root not in ticks:
+        return None
+    total, count, todo, seen = 0, 0, [root], {root}
+    while todo:  # (bounded: each pid once)
+        name = todo.pop()
+        total += ticks[name]
+        count += 1
+        for child in children.get(int(name), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return total, count
+
+
 class HostMeter:
     """``start()`` at the benchmark's start, ``report()`` at its end (see the module doc)."""
 
@@ -77,26 +134,30 @@ class HostMeter:
                  loadavg: str | os.PathLike[str] = "/proc/loadavg",
                  cpuidle: str | os.PathLike[str]
                  = "/sys/devices/system/cpu/cpuidle/current_driver",
-                 cpus: int | None = None, others_expected: bool = False) -> None:
-        """``others_expected``: the benchmark runs processes of its own (``bench server``'s
-        load generator), so other processes' CPU does not make the span noisy."""
+                 cpus: int | None = None, proc: str | os.PathLike[str] = "/proc",
+                 pid: int | None = None) -> None:
+        """``proc``/``pid``: where the process tree counted as the benchmark's own is read
+        and its root (default: ``/proc`` and this process)."""
         self._stat, self._loadavg, self._cpuidle = stat, loadavg, cpuidle
-        self._others_expected = others_expected
+        self._proc, self._pid = proc, pid
         self._cpus = cpus or os.cpu_count() or 1
         self._ticks0: dict[str, int] | None = None
+        self._tree0: tuple[int, int] | None = None
         self._load0: float | None = None
         self._wall0 = self._cpu0 = 0.0
 
     def start(self) -> HostMeter:
         self._ticks0 = read_cpu_ticks(self._stat)
+        self._tree0 = read_tree_ticks(self._pid, self._proc)
         self._load0 = read_loadavg(self._loadavg)
-        self._wall0, self._cpu0 = time.monotonic(), time.process_time()
+        self._wall0, self._cpu0 = time.monotonic(), _times_s()
         return self
 
     def report(self) -> dict[str, Any]:
         wall = time.monotonic() - self._wall0
-        own_cpu = time.process_time() - self._cpu0
+        times_cpu = _times_s() - self._cpu0
         ticks1 = read_cpu_ticks(self._stat)
+        tree1 = read_tree_ticks(self._pid, self._proc)
         out: dict[str, Any] = {"loadavg_start": self._load0,
                                "loadavg_end": read_loadavg(self._loadavg),
                                "cpuidle_driver": read_cpuidle_driver(self._cpuidle),
@@ -111,19 +172,37 @@ class HostMeter:
                     **out}
         busy = total - delta["idle"] - delta["iowait"] - delta["steal"]
         busy_pct = 100.0 * busy / total
-        own_pct = 100.0 * own_cpu / (wall * self._cpus) if wall > 0 else 0.0
+        if self._tree0 is not None and tree1 is not None:
+            own_ticks = max(0, tree1[0] - self._tree0[0])
+            own_pct = 100.0 * own_ticks / total
+            own_cpu_s = own_ticks / _CLK_TCK
+            scope = ("process tree: this process, its live descendants and the children "
+                     f"they waited for ({self._proc}/<pid>/stat)")
+            processes: int | None = tree1[1]
+        else:  # (no per-process /proc: this process and the children it waited for)
+            own_pct = 100.0 * times_cpu / (wall * self._cpus) if wall > 0 else 0.0
+            own_cpu_s = times_cpu
+            scope = "this process and the children it waited for (os.times)"
+            processes = None
         steal = round(100.0 * delta["steal"] / total, 2)
         others = round(max(0.0, busy_pct - own_pct), 1)
         noise = [f"steal {steal:g} % > {QUIET_STEAL_PCT:g} %"] if steal > QUIET_STEAL_PCT else []
-        if not self._others_expected and others > QUIET_OTHERS_PCT:
+        if others > QUIET_OTHERS_PCT:
             noise.append(f"other processes {others:g} % > {QUIET_OTHERS_PCT:g} %")
         return {"available": True,
                 "steal_pct": steal,
                 "busy_pct": round(busy_pct, 1),
                 "own_busy_pct": round(own_pct, 1),
                 "others_busy_pct": others,
+                "own_cpu_s": round(own_cpu_s, 3), "own_processes": processes,
+                "own_scope": scope,
                 "quiet": not noise, "noise": "; ".join(noise) or None,
                 "seconds": round(wall, 1), **out}
+
+
+def _times_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def noise_line(report: dict[str, Any]) -> str | None:
