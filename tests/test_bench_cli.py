@@ -8,6 +8,7 @@ path). They never gate on a timing figure: benchmarks report numbers, tests don'
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 
@@ -289,3 +290,22 @@ def test_the_timed_executor_has_the_system_clock_and_hand_offs_are_counted_aside
     finally:
         timed.close()
         counting.close()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "recovery", "--json", "--recoveries", "1"],
+    ["bench", "pingpong", "--json", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1"],
+    ["bench", "charts", "--json", "--iters", "5"],
+], ids=["recovery", "pingpong", "charts"])
+def test_every_bench_report_names_the_cpu_model_and_core_count(argv, capsys):
+    """A figure is only worth its number with the machine it came from (docs/benchmarks.md:
+    `lscpu` model and cores); until stop 63 these reports named neither, or no model."""
+    if argv[1] == "charts":
+        from calexec.drivers.tools.bench import chart_cost
+
+        assert chart_cost.main(argv) == 0
+        report = json.loads(capsys.readouterr().out)
+    else:
+        report = _run_json(argv, capsys)
+    assert report["cpu_model"] == bench.cpu_model() and report["cpu_model"]
+    assert report["cpus"] == os.cpu_count()

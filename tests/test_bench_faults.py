@@ -21,7 +21,7 @@ KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired"
         "resumes_per_fault", "faults_with_a_resume", "added_latency_per_fault_ms",
         "resume_budget_exhausted", "recoveries", "native_relay", "relay_submitted",
         "inflight_capacity", "downgrades", "inflight_capacity_end",
-        "sequences_at_end", "seconds_with_faults", "cpu_model"}
+        "sequences_at_end", "seconds_with_faults", "cpu_model", "cpus"}
 
 
 def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(capsys):

@@ -58,6 +58,8 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     # the 2 ms phase runs the server's pre-armed decode streams
     assert report["phases"][1]["decode_steps_prearmed"] >= 1
     assert report["native_relay"] is False and report["relay_submitted"] == 0
+    # the machine the figures are from: its CPU model and core count (until stop 63: no count)
+    assert report["cpu_model"] and report["cpus"] == os.cpu_count()
     assert report["decode_steps_prearmed"] >= report["phases"][1]["decode_steps_prearmed"]
     start, end = report["pools_start"], report["pools_end"]
     assert {k: v for k, v in start.items() if k != "buffer_slots"} == \

@@ -11,6 +11,7 @@ same declarations as the baseline.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -77,11 +78,13 @@ def _measure(work: Callable[[_SuccessModel], None], iters: int,
 
 def run_bench(iters: int, progress: Callable[[str], None] | None = None,
               ticks: Callable[[str, int], Callable[[int], None]] | None = None
-              ) -> dict[str, float | int | str]:
+              ) -> dict[str, float | int | str | None]:
     """Measure both forms; return the figures (microseconds per job). ``progress`` is told
     which form is being measured (the default size takes seconds, most of them the baseline);
     ``ticks(form, iters)`` gives the ``tick(done)`` called after each job of that form (a
     :class:`calexec.cliargs.Ticker`: a large ``--iters`` is minutes per form)."""
+    from calexec.drivers.tools.bench.core import cpu_model
+
     if progress is not None:
         progress(f"{iters} jobs on the compiled charts")
     compiled = _measure(_compiled_job, iters, ticks("compiled charts", iters) if ticks else None)
@@ -98,6 +101,8 @@ def run_bench(iters: int, progress: Callable[[str], None] | None = None,
         "speedup_p50": round(base_p50 / p50, 1),
         "transitions_per_job": sum(len(events) for _, events in WORKLOAD),
         "iters": iters,
+        # the machine the figures are from (docs/benchmarks.md: a figure names its CPU)
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
 

@@ -1126,6 +1126,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
         "client_failures_by_code": other,
         "client_unresolved": unresolved[0],
         "generations_opened": ex.recoveries[-1]["to_generation"] if ex.recoveries else 1,
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
     }
 
 
@@ -1303,7 +1304,7 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
         "note": "the rule is necessary, not sufficient: §13.3 also needs correctness and the "
                 "24 h soak (calexec accept --full --phase b) before Phase B goes on by default",
         "trace": trace_path,
-        "cpus": os.cpu_count(), "python": platform.python_version(),
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(), "python": platform.python_version(),
     }
 
 

@@ -27,6 +27,7 @@ report's shape and correctness facts).
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import tempfile
@@ -353,7 +354,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
         "inflight_capacity_end": capacity_end,
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(),
     }
 
 

@@ -861,14 +861,14 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "threads_leaked": leaked,
         "seconds": round(seconds, 1),
         "requests_per_s": round(tally.finished / seconds, 2) if seconds > 0 else None,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model(), "cpus": os.cpu_count(),
     }
 
 
 def _readable(report: dict[str, Any]) -> str:
     lines = [f"calexec bench soak: {'PASS' if report['ok'] else 'FAIL'} "
              f"({report['seconds']} s, {report['requests_per_s']} requests/s, "
-             f"{report['cpu_model']})"]
+             f"{report['cpu_model']}, {report['cpus']} cores)"]
     for name, check in report["checks"].items():
         lines.append(f"  {'ok  ' if check['ok'] else 'FAIL'} {name}: {check['detail']}")
     for key in ("requests_finished", "completed", "by_mode", "phases", "faults_by_kind",
