@@ -8,8 +8,8 @@ path). They never gate on a timing figure: benchmarks report numbers, tests don'
 from __future__ import annotations
 
 import json
-import os
 import math
+import os
 import sys
 
 import pytest
