@@ -69,6 +69,11 @@ def test_overhead_json_report(capsys):
     # what the host did beside the run (hostload.py; not Linux: available false)
     assert report["host"]["available"] is False or {
         "steal_pct", "busy_pct", "others_busy_pct", "quiet", "noise"} <= report["host"].keys()
+    # gate_met is one run's verdict: the report says so and whether this host can count
+    scope = report["gate_scope"]
+    assert scope["runs"] == 1 and scope["cpus"] == report["cpus"]
+    assert scope["counts_toward_gate"] is (report["host"].get("quiet") is True
+                                           and report["cpus"] == 2)
     assert (report["tokens"], report["runs"], report["zero_tokens"], report["seed"]) == (8, 2, 12, 3)
     assert report["tokens_identical"] is True
     assert report["dma_violations"] == 0

@@ -220,3 +220,21 @@ def test_an_unknown_host_load_is_said_too(tmp_path):
     missing = tmp_path / "missing"
     line = hostload.noise_line(hostload.HostMeter(missing, missing, missing).start().report())
     assert line is not None and "host load unknown" in line and str(missing) in line
+
+
+def test_gate_verdicts_say_they_are_one_runs_and_whether_the_host_counts():
+    """``bench overhead``'s ``gate_met`` is one run's verdict; the project's rule takes two
+    consecutive runs on a quiet 2-core host. Until stop 63 the report printed "met" from a
+    loaded host or another core count without a word: now ``gate_scope`` and a stderr line
+    say what the verdict is worth."""
+    quiet = {"available": True, "quiet": True}
+    scope, line = hostload.gate_scope(quiet, 2)
+    assert scope["runs"] == 1 and scope["counts_toward_gate"] is True and line is None
+    assert "two consecutive runs" in scope["rule"] and scope["gate_cpus"] == 2
+    scope, line = hostload.gate_scope(quiet, 8)  # a faster host's verdict is not the gate's
+    assert scope["counts_toward_gate"] is False and "8 cores" in line
+    scope, line = hostload.gate_scope({"available": True, "quiet": False}, 2)
+    assert scope["counts_toward_gate"] is False and scope["host_quiet"] is False
+    assert "not quiet" in line and "does not count toward a gate" in line
+    scope, line = hostload.gate_scope({"available": False, "reason": "no /proc"}, 2)
+    assert scope["host_quiet"] is None and "unknown" in line

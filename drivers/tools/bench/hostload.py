@@ -214,3 +214,29 @@ def noise_line(report: dict[str, Any]) -> str | None:
         return None
     return (f"not a quiet host ({report.get('noise')}, over {report.get('seconds')} s): "
             "the ratios are not a gate figure (docs/benchmarks.md)")
+
+
+#: the cores of the host the project's gates are judged on (a 2-core VM, as CI's)
+GATE_CPUS = 2
+#: the rule a gate figure follows (docs/benchmarks.md)
+GATE_RULE = ("a gate is met only when two consecutive runs meet it, each on a quiet "
+             f"{GATE_CPUS}-core host (the CPU model named); this report is one run's")
+
+
+def gate_scope(report: dict[str, Any], cpus: int | None) -> tuple[dict[str, Any], str | None]:
+    """What a run's gate verdicts (``gate_met``) are worth: ``(scope, line)``. ``scope`` says
+    they are one run's, whether its host was quiet (``report``: ``HostMeter.report``) and had
+    ``GATE_CPUS`` cores, and ``counts_toward_gate`` (both); ``line`` is the stderr line that
+    says why they cannot count, None when they can (still one run of the two)."""
+    quiet = report.get("quiet") if report.get("available", False) else None
+    counts = bool(quiet) and cpus == GATE_CPUS
+    scope = {"runs": 1, "host_quiet": quiet, "cpus": cpus, "gate_cpus": GATE_CPUS,
+             "counts_toward_gate": counts, "rule": GATE_RULE}
+    why = []
+    if quiet is not True:
+        why.append("the host was not quiet" if quiet is False else "the host load is unknown")
+    if cpus != GATE_CPUS:
+        why.append(f"it ran on {cpus} cores, not the gate host's {GATE_CPUS}")
+    line = None if not why else (
+        f"gate_met is one run's verdict and does not count toward a gate: {'; '.join(why)}")
+    return scope, line
