@@ -314,3 +314,7 @@ def test_every_bench_report_names_the_cpu_model_and_core_count(argv, capsys):
         report = _run_json(argv, capsys)
     assert report["cpu_model"] == bench.cpu_model() and report["cpu_model"]
     assert report["cpus"] == os.cpu_count()
+    if argv[1] == "pingpong":  # its enable_by_default verdict says what it is worth too
+        assert report["gate_scope"]["runs"] == 1 and "available" in report["host"]
+        assert report["gate_scope"]["counts_toward_gate"] is (
+            report["host"].get("quiet") is True and report["cpus"] == 2)

@@ -1256,6 +1256,7 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
 
     results: dict[str, Any] = {}
     traced: dict[str, list] = {}
+    host = HostMeter().start()
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         rt = _emulator_runtime(device)
@@ -1302,10 +1303,19 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
         except OSError as exc:
             raise BenchSettingError(f"--trace={trace_path!r}: cannot write it: "
                                     f"{exc.strerror or exc}") from None
+    host_report = host.report()
+    noisy = noise_line(host_report)
+    if noisy is not None:
+        _progress(noisy)
+    # meets_phase_b_rule / enable_by_default are verdicts too: one run's, on this host
+    verdict_scope, not_a_gate = gate_scope(host_report, os.cpu_count())
+    if not_a_gate is not None:
+        _progress(not_a_gate.replace("gate_met", "enable_by_default", 1))
     return {
         "seqs": seqs, "tokens": tokens, "solo_tokens": solo_tokens,
         "profile_us": PINGPONG_PROFILE, "rule": PHASE_B_RULE, "overlap": results,
         "enable_by_default": {o: r["meets_phase_b_rule"] for o, r in results.items()},
+        "gate_scope": verdict_scope, "host": host_report,
         "note": "the rule is necessary, not sufficient: §13.3 also needs correctness and the "
                 "24 h soak (calexec accept --full --phase b) before Phase B goes on by default",
         "trace": trace_path,
