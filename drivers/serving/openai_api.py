@@ -523,10 +523,8 @@ def refusal(body: _Body) -> None:
         if unknown:
             raise Refusal(invalid(f"stream_options.{sorted(unknown)[0][:80]}: unknown option"),
                           "stream_options")
-        if body.stream_options.get("continuous_usage_stats"):
-            raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
-                          "stream_options")
-        for key in ("include_usage", "include_obfuscation"):  # no obfuscation is added
+        # no obfuscation is added; continuous_usage_stats: continuous_usage()
+        for key in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
             # null: the option's default (false), as for a field of the body
             if body.stream_options.get(key) is not None \
                     and not isinstance(body.stream_options[key], bool):
@@ -536,6 +534,14 @@ def refusal(body: _Body) -> None:
 
 def include_usage(body: _Body) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
+
+
+def continuous_usage(body: _Body) -> bool:
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk of the stream carries
+    ``usage`` so far (``_Shape.continuous_usage``); only with ``include_usage`` (as vLLM's
+    ``should_include_usage``: without it no chunk carries usage)."""
+    return include_usage(body) and bool(body.stream_options
+                                        and body.stream_options.get("continuous_usage_stats"))
 
 
 #: a ``logit_bias`` key: a token id in ASCII decimal digits (no vocabulary reaches 19 digits)
@@ -1423,6 +1429,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             shape = _CompletionShape(echo, body.echo and body.logprobs is not None,
                                      body.prompt_logprobs)
             shape.prompt_ids = body.return_token_ids
+            shape.continuous_usage = continuous_usage(body)
             return shape
 
         def admission(ids: list[int], j: int = 0) -> Admission:  # j: the choice of its prompt
@@ -1498,6 +1505,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                     plan.named or plan.tool_choice == "required")
                      if plan is not None and plan.tools else _ChatShape())
             shape.prompt_ids = body.return_token_ids
+            shape.continuous_usage = continuous_usage(body)
             return shape
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
@@ -1773,7 +1781,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 if out.stopped:
                     run.finish_reason, run.stop_reason = "stop", out.stop_string
                 if sse:
-                    sent = shape.piece(piece, token, run)
+                    sent = shape.piece_chunk(piece, token, run)
                     if sent is not None:
                         await state.put(sent)
                 token = await service.advance(run)
@@ -1782,7 +1790,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 scope.cancel()
                 return
             if sse:
-                await state.put(shape.last(finished_text(out, run), run))
+                await state.put(shape.last_chunk(finished_text(out, run), run))
             else:
                 finished_text(out, run)
                 whole = shape.whole(out.text, run)
@@ -1848,7 +1856,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 # every choice's opening first, in index order (a chat's role delta): the
                 # SDK's stream helper adds a choice it has not seen at the end of its list
                 for k in range(len(state.results)):
-                    for chunk in state.shapes[0].opening(k):
+                    for chunk in state.shapes[0].opening_chunks(k):
                         if state.owed(k):
                             yield wire.sse(chunk)
                 while item is not None:
@@ -1916,7 +1924,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         async def events() -> AsyncIterator[bytes]:
             token = first
             try:
-                for opening in shape.opening():
+                for opening in shape.opening_chunks():
                     yield wire.sse(opening)
                 # Events of tokens a streamed burst already took (service.token_ready: the
                 # next advance does not wait) go out in one send with the next ones: the
@@ -1930,7 +1938,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.finish_reason, run.stop_reason = "stop", out.stop_string
                     if progress is not None:  # before its chunk: the chunk commits it
                         progress({"tokens": [token]})
-                    chunk = shape.piece(piece, token, run)
+                    chunk = shape.piece_chunk(piece, token, run)
                     if chunk is not None:
                         ready.append(wire.sse(chunk))
                     if ready and not (progress is None and service.token_ready(run)
@@ -1953,7 +1961,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.status, failure_param(run)
                         or error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
-                    tail = [wire.sse(shape.last(finished_text(out, run), run))]
+                    tail = [wire.sse(shape.last_chunk(finished_text(out, run), run))]
                     if usage_chunk:
                         tail.append(wire.sse(shape.usage_chunk(run)))
                     tail.append(b"data: [DONE]\n\n")
@@ -2036,9 +2044,11 @@ def _stop_ids(run: RequestRun) -> list[int]:
     return [] if run.stop_token is None else [run.stop_token]
 
 
-def _usage(run: RequestRun) -> dict[str, int]:
-    return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
-            "total_tokens": len(run.prompt) + len(run.tokens)}
+def _usage(run: RequestRun, tokens: int | None = None) -> dict[str, int]:
+    """``run``'s usage: its prompt and ``tokens`` generated tokens (default: all of them)."""
+    done = len(run.tokens) if tokens is None else tokens
+    return {"prompt_tokens": len(run.prompt), "completion_tokens": done,
+            "total_tokens": len(run.prompt) + done}
 
 
 class _Shape:
@@ -2050,6 +2060,10 @@ class _Shape:
     #: vLLM's ``return_token_ids``: the prompt's ids too (``prompt_token_ids``: the completion's
     #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
     prompt_ids = False
+    #: vLLM's ``stream_options.continuous_usage_stats`` (:func:`continuous_usage`): every
+    #: chunk of the stream carries ``usage``, the choice's prompt and the tokens its text
+    #: reached so far (an opening: none), as vLLM's; the usage chunk still ends the stream
+    continuous_usage = False
 
     def start(self, service: CompletionService, run: RequestRun, response_id: str) -> None:
         """Start the response ``response_id`` (:func:`new_response_id`) of ``run``."""
@@ -2058,10 +2072,14 @@ class _Shape:
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
+        #: generated tokens the stream's chunks reached (``piece_chunk``, ``last_chunk``): a
+        #: decode burst's tokens taken ahead of them are not counted before their chunk
+        self.streamed = 0
 
     def resumed(self, resume: handoff.Resume, tokens: int, sent_chars: int) -> None:
         """Continue a response another replica started: its id and ``created``; ``tokens``
         tokens (``sent_chars`` characters of text) and the opening were sent already."""
+        self.streamed = tokens
         self.id = resume.id or self.id
         self.created = self.created if resume.created is None else resume.created
         self.opened = resume.opened
@@ -2090,6 +2108,30 @@ class _Shape:
 
     def usage_chunk(self, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [], "usage": _usage(run)}
+
+    # a stream's chunks: the shape's own, with ``usage`` so far when ``continuous_usage``
+    def _stamped(self, chunk: dict[str, Any] | None, run: RequestRun, tokens: int
+                 ) -> dict[str, Any] | None:
+        if chunk is not None and self.continuous_usage:
+            chunk["usage"] = _usage(run, tokens)
+        return chunk
+
+    def opening_chunks(self, index: int | None = None) -> list[dict[str, Any]]:
+        """:meth:`opening` as streamed (no token generated yet, as vLLM's role chunk)."""
+        return [cast(dict[str, Any], self._stamped(chunk, self.run, 0))
+                for chunk in self.opening(index)]
+
+    def piece_chunk(self, text: str, token: int, run: RequestRun) -> dict[str, Any] | None:
+        """:meth:`piece` as streamed: its usage counts the token (and any held back
+        before it, whose chunk this is)."""
+        self.streamed += 1
+        return self._stamped(self.piece(text, token, run), run, self.streamed)
+
+    def last_chunk(self, text: str, run: RequestRun) -> dict[str, Any]:
+        """:meth:`last` as streamed: its usage counts every generated token (the end or
+        stop token that ended it too), as the usage chunk and the whole answer do."""
+        self.streamed = len(run.tokens)
+        return cast(dict[str, Any], self._stamped(self.last(text, run), run, self.streamed))
 
 
 class _CompletionShape(_Shape):
