@@ -4,8 +4,9 @@ model through the official ``openai`` client (vLLM's tests use the same client).
 names its source file and test. Adapted: the model name, expected text (the synthetic model's
 tokens are checked against the numpy oracle where vLLM checks lengths or equality), vLLM's
 async client (the sync one here), sizes (kept CI-small). Not ported: LoRA, multimodal,
-prompt embeds, beam search, ``continuous_usage_stats``, ``prompt_logprobs`` (vLLM extensions
-this server refuses by name, docs/server.md), structured outputs (the structured-outputs
+prompt embeds, beam search, ``prompt_logprobs`` (vLLM extensions this server refuses by name,
+docs/server.md; ``continuous_usage_stats``, served since stop 63, has its own tests in
+test_clients_continuous_usage.py), structured outputs (the structured-outputs
 branch brings its own tests), server-process flags.
 """
 
@@ -229,8 +230,8 @@ def test_parallel_streaming(live):
 
 def test_completion_stream_options(live):
     # vllm tests/entrypoints/openai/completion/test_completion.py::
-    #   test_completion_stream_options (without continuous_usage_stats, which this server
-    #   refuses by name: docs/server.md)
+    #   test_completion_stream_options (without continuous_usage_stats: its checks are in
+    #   test_clients_continuous_usage.py)
     _, client, _ = live
     prompt = "What is the capital of France?"
     body = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0)
