@@ -643,9 +643,18 @@ class DeviceLifecycle:
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                    positions=np.arange(len(prompt), dtype=np.int32), past_len=0,
                                    deadline=clock.monotonic() + cfg.golden_timeout_s)
-        for _ in range(cfg.golden_decode_steps + 1):
+        for step in range(cfg.golden_decode_steps + 1):
             result = self._run_internal(request)
             if isinstance(result, Status):
+                if result.category is Category.DEADLINE:
+                    # the embedder never sent this job nor waited for it: name the warm-up and
+                    # the setting its deadline comes from (it read "wait_until deadline passed")
+                    what = "prefill" if step == 0 else f"decode step {step}"
+                    return attrs.evolve(result, message=(
+                        f"golden run ({what}) not finished within ExecutorConfig."
+                        f"golden_timeout_s={cfg.golden_timeout_s:g}: raise it for a device this "
+                        "slow (an emulated latency in device_config: calexec.drivers."
+                        f"device_spec.with_emulated_latency moves it out); {result.message}"))
                 return result
             out.append(result.argmax)
             past = result.kv_len
