@@ -50,3 +50,51 @@ def test_a_start_whose_golden_outlasts_golden_timeout_s_names_the_warm_up_and_th
         assert executor.start().ok
     finally:
         assert executor.shutdown(10.0).ok
+
+
+def _fenced_python(doc: str, first_line: str) -> str:
+    """The fenced ``python`` block of ``docs/<doc>`` whose first line is ``first_line``."""
+    text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+    blocks = [block for block in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+              if block.splitlines()[0] == first_line]
+    assert len(blocks) == 1, (doc, first_line, len(blocks))
+    return blocks[0]
+
+
+def test_the_ten_minute_tutorial_of_framework_md_runs_as_written(tmp_path):
+    """docs/framework.md's "Your own chart in ten minutes": the two files of steps 1 and 3,
+    copied from the page into an empty project directory, pass step 4's coverage gate at 100 %
+    with the line the page shows, and step 5's figures (29 mutants, 4 ``guard-true`` among
+    them, 9 dropping or retargeting ``cancel``) are the ones ``derive`` makes. The snippet
+    checks of tests/test_docs_commands.py only compile the blocks."""
+    chart = _fenced_python("framework.md", "# order_workflow.py (in your project directory)")
+    test = _fenced_python("framework.md", "# test_order_workflow.py (next to order_workflow.py)")
+    (tmp_path / "order_workflow.py").write_text(chart, encoding="utf-8")
+    (tmp_path / "test_order_workflow.py").write_text(test, encoding="utf-8")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--chart-coverage=order_workflow:OrderWorkflow",
+                          "--chart-coverage-min=100"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "transition coverage OrderWorkflow: 7/7" in run.stdout, run.stdout
+    assert "1 passed" in run.stdout, run.stdout
+
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "from calexec.machines.mutants import derive\n"
+         "from order_workflow import OrderWorkflow\n"
+         "ids = [m.id for m in derive(OrderWorkflow, 2)]\n"
+         "print(len(ids), sum(i.startswith('guard-true:') for i in ids),"
+         " sum(i.split(':')[0] in ('drop', 'target') and '-cancel->' in i for i in ids))"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    total, guard_true, cancel = map(int, probe.stdout.split())
+    page = (ROOT / "docs" / "framework.md").read_text(encoding="utf-8")
+    said = re.search(r"exits 1: (\d+) of the (\d+) mutants survive", page)
+    assert said is not None
+    assert int(said[2]) == total == 29
+    assert f"every `guard-true` mutant survives ({guard_true})" in " ".join(page.split())
+    assert f"a dropped or retargeted `cancel` ({cancel})" in " ".join(page.split())
+    # the survivors the page counts: every guard-true, every cancel drop/target, and
+    # cancel's guard forced false
+    assert int(said[1]) == guard_true + cancel + 1
