@@ -61,6 +61,7 @@ import logging
 import math
 import numbers
 import os
+import shlex
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -114,6 +115,7 @@ if TYPE_CHECKING:
     from calexec.machines.outcomes import JobOutcomes
 
 log = logging.getLogger("calexec.executor")
+
 
 #: the lifecycle states a recovery or model switch passes through: a request arriving in one
 #: of them may wait for Ready (``wait_for_ready``)
@@ -604,12 +606,13 @@ class DeviceLifecycle:
         sha = host.gen.sha256
         expected, source = self.expected_golden(sha)
         if expected is None and not cfg.allow_unpinned_golden:
+            source = getattr(host.manifest, "source", "manifest")
             return Status.failure(
                 "golden.unpinned", Category.ARTIFACT, Phase.GOLDEN,
                 f"calbin {fields.shown(host.gen.calbin_path, 300)} (sha256 {sha}) has no pinned golden for "
                 f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
-                f"{goldens_path(getattr(host.manifest, 'source', 'manifest'))}; run `calexec "
-                f"golden record --calbin {host.gen.calbin_path}{self._manifest_flag()}` or set "
+                f"{goldens_path(source)}; run `calexec golden record --calbin "
+                f"{shlex.quote(str(host.gen.calbin_path))}{self._manifest_flag()}` or set "
                 "allow_unpinned_golden",
                 generation=host.gen.id)
         tokens = self._run_golden()
@@ -887,7 +890,7 @@ class DeviceLifecycle:
             return ""
         if os.path.realpath(source) == os.path.realpath(default_manifest_path()):
             return ""
-        return f" --manifest {source}"
+        return f" --manifest {shlex.quote(source)}"
 
     def _reread_goldens(self) -> Status | None:
         """(``switch_model``, before the lifecycle moves) Read the manifest's goldens file

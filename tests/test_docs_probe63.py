@@ -98,3 +98,42 @@ def test_the_ten_minute_tutorial_of_framework_md_runs_as_written(tmp_path):
     # the survivors the page counts: every guard-true, every cancel drop/target, and
     # cancel's guard forced false
     assert int(said[1]) == guard_true + cancel + 1
+
+
+def test_an_unpinned_golden_under_a_manifest_of_ones_own_names_the_manifest_to_record_with(
+        tmp_path):
+    """docs/manifest.md §6 and README "Serving your own model": ``calexec serve --calbin
+    m5.calbin --manifest my.toml`` before the golden is pinned said ``no pinned golden ... in
+    my.goldens.toml; run `calexec golden record --calbin m5.calbin` ...``: that command, typed as
+    given, pins the golden next to the packaged manifest (inside the installed package), not in
+    my.goldens.toml, and the next start is refused the same. The command named carries the
+    manifest given (``--manifest my.toml``), and running it as named makes the start pass;
+    under the packaged manifest it stays without one."""
+    from calexec import cli
+    from calexec.drivers.synthetic import calbin as synthetic
+
+    calbin, manifest = tmp_path / "m5.calbin", tmp_path / "my.toml"
+    synthetic.write(str(calbin), synthetic.default_spec(seed=5))
+    manifest.write_text(Path(default_manifest_path()).read_text(encoding="utf-8"),
+                        encoding="utf-8")
+
+    def start(manifest_path: Path | str) -> tuple[bool, str]:
+        executor = DeviceExecutor(CalRT.load(), load_manifest(manifest_path),
+                                  ExecutorConfig(calbin_path=str(calbin)))
+        try:
+            status = executor.start()
+            return status.ok, status.message
+        finally:
+            executor.shutdown(10.0)
+
+    ok, message = start(manifest)
+    assert not ok
+    said = re.search(r"run `calexec (golden record [^`]*)`", message)
+    assert said is not None, message
+    assert f"--manifest {manifest}" in said[1], message
+    assert cli.main(said[1].split()) == 0  # the command as the message names it
+    assert (tmp_path / "my.goldens.toml").is_file()
+    ok, message = start(manifest)
+    assert ok, message
+    ok, message = start(default_manifest_path())
+    assert not ok and "--manifest" not in message, message
