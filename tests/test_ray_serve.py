@@ -289,9 +289,11 @@ def test_two_replicas_serve_concurrent_requests_and_both_take_traffic(proxy_url)
     assert headers[b"x-calexec-replica"].decode() in served
     chunks = [m["body"] for m in messages[1:] if m["body"]]
     # a stream, not one whole body; events of tokens a decode burst already took share one
-    # write (docs/server.md, streamed decode bursts), so a chunk may hold several events
-    assert len(chunks) >= 2 and chunks[-1] == b"data: [DONE]\n\n"
-    events = [json.loads(event[6:]) for event in b"".join(chunks[:-1]).split(b"\n\n")
+    # write (docs/server.md, streamed decode bursts), so a chunk may hold several events, and
+    # the last token's event, the usage and [DONE] go out in one write (stop 63)
+    body = b"".join(chunks)
+    assert len(chunks) >= 2 and body.endswith(b"\n\ndata: [DONE]\n\n"), chunks
+    events = [json.loads(event[6:]) for event in body[:-len(b"data: [DONE]\n\n")].split(b"\n\n")
               if event]
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == oracle_tokens([7, 8], 3)
     # per-replica metrics, labelled by replica and device, scraped from Ray's metrics export:
