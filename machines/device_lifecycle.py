@@ -63,6 +63,7 @@ import numbers
 import os
 import shlex
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
@@ -126,6 +127,30 @@ THREADS_EXIT_S = 1.0
 #: about to find the shutdown and return, or one that has just ended a recovery) waits this
 #: long for it, beyond the grace: that holder makes no runtime call before it lets go
 OWNERLESS_WAIT_S = 1.0
+
+#: the lifecycles ``start`` ran in this process: a forked child marks each one
+#: (``_forked_child``), whose threads and device stay with the parent
+_STARTED: weakref.WeakSet[DeviceLifecycle] = weakref.WeakSet()
+
+
+def _forked_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: the child has none of the executor's
+    threads (only the forking one is copied) and shares the parent's device handle, so its
+    copy of a started executor admitted requests that never ran (a handle waited past the
+    request's deadline, its job "Queued") and its ``shutdown`` waited out its grace and
+    answered ``shutdown.not_drained``. Each copy now serves nothing, for good: admission
+    closed, as after a ``shutdown``, and ``forked_from`` names the parent (no lock taken:
+    the child runs one thread, and a lock another parent thread held stays held in it)."""
+    for life in list(_STARTED):
+        if life.started_in is not None:
+            life.forked_from = life.started_in
+            life.admitting = False
+            life.stopping = True
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_forked_child)
+
 
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
@@ -282,6 +307,11 @@ class DeviceLifecycle:
         self.failure: Status | None = None  # why the lifecycle is Failed
         #: the device was closed (by a failed start or a shutdown): never closed twice
         self._device_closed = False
+        #: the pid of the process whose ``start`` ran (None before ``start``)
+        self.started_in: int | None = None
+        #: in a child forked after ``start``: the parent's pid (``_forked_child``); this copy
+        #: of the executor serves nothing, and its ``shutdown`` stops nothing of the parent's
+        self.forked_from: int | None = None
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
     def generation_advanced(self) -> bool:
@@ -320,6 +350,15 @@ class DeviceLifecycle:
 
     def last_good_known(self) -> bool:
         return self._rollback_path is not None
+
+    def forked_why(self) -> str | None:
+        """In a child forked after ``start``: why this copy serves nothing (the parent's pid,
+        this one's and what to do); None in the process that started it."""
+        if self.forked_from is None:
+            return None
+        return (f"this executor was started in process {self.forked_from} and this is a child "
+                f"forked from it (pid {os.getpid()}): its threads and device stay with that "
+                "process; build and start a new DeviceExecutor in the child")
 
     def shutdown_requested(self) -> bool:
         """``shutdown()`` was called (or runs, from within a recovery): nothing is configured
@@ -395,6 +434,8 @@ class DeviceLifecycle:
                     f"DeviceExecutor.start() called after shutdown() (lifecycle "
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
+            self.started_in = os.getpid()
+            _STARTED.add(self)
         try:
             status = self._start_once()
         finally:
@@ -1499,6 +1540,10 @@ class DeviceLifecycle:
         if not math.isfinite(fields.to_float(grace)):
             raise ValueError(f"shutdown: grace={grace!r}: expected a finite number of "
                              "seconds")
+        forked = self.forked_why()
+        if forked is not None:  # the parent's device and threads: nothing here to stop
+            return Status.unavailable(Phase.SHUTDOWN, f"{forked}; nothing was stopped (the "
+                                      "parent's shutdown stops it)")
         if self._recovery_owner == threading.get_ident():
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
         clock = self._host.clock

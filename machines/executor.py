@@ -532,6 +532,10 @@ class DeviceExecutor(SequenceOwnership):
         let go. With ``wait_s`` 0 (no wait) it answers there as anywhere."""
         if isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) and wait_s > 0:
             self.refuse_on_worker_thread("release_sequence")
+        forked = self.life.forked_why()
+        if forked is not None:  # the KvManager is the parent's
+            return Status.unavailable(Phase.ADMISSION, f"release_sequence: {forked}; nothing "
+                                      "was released")
         return super().release_sequence(seq_id, wait_s)
 
     def _before_release(self, seq_id: int, wait_s: float) -> None:
@@ -646,7 +650,7 @@ class DeviceExecutor(SequenceOwnership):
         ``start()`` never called (the lifecycle's Configuring read as a device configuring);
         else the state."""
         life = self.life
-        why = (SHUTDOWN_CALLED if life.stopping
+        why = (life.forked_why() or SHUTDOWN_CALLED if life.stopping
                else f"start() was not called yet (device lifecycle {life.run.state})"
                if life.never_opened() else f"device lifecycle is {life.run.state}")
         return Status.unavailable(Phase.ADMISSION, f"{why}; not admitting", **ctx)
@@ -1333,6 +1337,9 @@ class DeviceExecutor(SequenceOwnership):
         reasons = []
         life = self.life
         state = life.run.state
+        forked = life.forked_why()
+        if forked is not None:
+            return [forked]
         if state != LIFECYCLE_READY or not life.admitting:
             reasons.append(f"lifecycle is {state}" + ("" if life.admitting else
                                                      ", not admitting"))

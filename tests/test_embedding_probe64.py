@@ -1,0 +1,112 @@
+"""Stop 64 (embedder): the executor embedded in a program of one's own, used from threads
+and processes as such a program does. Real executor on the bundled emulator; every wait is
+bounded; nothing asserts a duration."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from calexec.contracts.status import Status
+from calexec.machines.job import InferenceResult
+from executor_harness import make_executor, prefill, running_executor, write_calbin
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("probe64"))
+
+
+def _in_child(body) -> dict:
+    """``body()`` in a child forked now; its dict (or the exception it raised) comes back
+    through a pipe. The child never returns into pytest (``os._exit``)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            out = body()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, never lost
+            out = {"raised": f"{type(exc).__name__}: {exc}"}
+        try:
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, code = os.waitpid(pid, 0)
+    assert code == 0, code
+    out = json.loads(data)
+    assert "raised" not in out, out["raised"]
+    return out
+
+
+def _said(status) -> list:
+    return [status.code, status.message] if isinstance(status, Status) else ["result", ""]
+
+
+def test_a_forked_childs_copy_of_a_started_executor_refuses_at_once_and_stops_nothing(calbin):
+    """A child forked after ``start()`` (a pre-fork worker model, a ``multiprocessing``
+    fork) has none of the executor's threads and shares the parent's device: its copy
+    admitted a request that never ran (the handle's wait outlived the request's deadline,
+    the job "Queued"), and its ``shutdown`` waited out all of its grace and answered
+    ``shutdown.not_drained``, ``Failed``. Each call now answers at once naming the fork,
+    the parent's executor serves on, and a new executor built in the child serves there."""
+    with running_executor(calbin) as ex:
+        assert isinstance(ex.enqueue(prefill(1, [3, 14, 15])).result(10.0), InferenceResult)
+        assert ex.release_sequence(1, 1.0).ok
+        parent = os.getpid()
+
+        def child() -> dict:
+            out = {"enqueue": _said(ex.enqueue(prefill(2, [3, 14, 15], seconds=2.0))
+                                    .result(10.0)),
+                   "decode_sync": _said(ex.decode_sync(prefill(2, [3, 14, 15]))[1]),
+                   "stream": _said(ex.decode_stream(2, 0, prefill(2, [1]).deadline).status),
+                   "release": _said(ex.release_sequence(1, 1.0)),
+                   "health": ex.health(),
+                   "shutdown": _said(ex.shutdown(5.0))}
+            own = make_executor(calbin)  # what the message says to do
+            out["own"] = _said(own.enqueue(prefill(1, [3, 14, 15])).result(10.0))
+            out["own_shutdown"] = _said(own.shutdown(5.0))
+            return out
+
+        out = _in_child(child)
+        named = f"started in process {parent} and this is a child forked from it"
+        for call in ("enqueue", "decode_sync", "stream", "release", "shutdown"):
+            code, message = out[call]
+            assert code == "lifecycle.unavailable", (call, out[call])
+            assert named in message and "new DeviceExecutor" in message, (call, message)
+        assert len(out["health"]) == 1 and named in out["health"][0], out["health"]
+        assert "nothing was stopped" in out["shutdown"][1]
+        assert out["own"] == ["result", ""] and out["own_shutdown"] == ["ok", ""], out
+        # the parent's executor is untouched: it serves, and stops cleanly
+        assert ex.health() == []
+        assert isinstance(ex.enqueue(prefill(3, [3, 14, 15])).result(10.0), InferenceResult)
+        assert ex.release_sequence(3, 1.0).ok
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+def test_a_child_forked_before_start_starts_its_own_copy(calbin):
+    """Only a started executor's copy is refused: one built and forked before ``start()``
+    is the child's own to start, serve and shut down."""
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                        ExecutorConfig(calbin_path=calbin))
+
+    def child() -> dict:
+        started = ex.start()
+        out = {"start": _said(started),
+               "enqueue": _said(ex.enqueue(prefill(1, [3, 14, 15])).result(10.0))}
+        out["shutdown"] = _said(ex.shutdown(5.0))
+        return out
+
+    assert _in_child(child) == {"start": ["ok", ""], "enqueue": ["result", ""],
+                                "shutdown": ["ok", ""]}
+    assert ex.shutdown(1.0).ok  # never started here: nothing opened
