@@ -161,6 +161,14 @@ class ExecutorSnapshot(TypedDict):
     thread_faults: int  #: exceptions the executor threads' barrier caught (each a fault)
     waiting_for_ready: int  #: requests queued through a recovery (ready_queue_max)
     retired_generations_kept: int  #: released generations whose host memory is still kept
+    #: KV blocks the current generation's sequences hold reserved (0 between generations),
+    #: and the KvManager's capacity in blocks (None when the runtime does not say or there
+    #: is no generation): what a released sequence gives back
+    kv_blocks_reserved: int
+    kv_blocks_capacity: int | None
+    #: the sequence ids holding KV (reserved or committed) in the current generation, sorted:
+    #: an id the embedder released is not among them
+    kv_sequences: list[int]
     # counters since start
     submitted: int
     succeeded: int

@@ -1474,6 +1474,8 @@ class DeviceExecutor(SequenceOwnership):
     def snapshot(self) -> ExecutorSnapshot:
         dispatch = self.dispatch.snapshot()
         pool = self.pool
+        kvc = self.kvc
+        kv_blocks, kv_seqs = (0, []) if kvc is None else kvc.usage()
         return cast(ExecutorSnapshot, {
             "lifecycle": self.life.run.state,
             "generation": None if self.gen is None else self.gen.id,
@@ -1498,5 +1500,8 @@ class DeviceExecutor(SequenceOwnership):
             "thread_faults": len(self.thread_faults),
             "waiting_for_ready": self.life.ready_waiters,
             "retired_generations_kept": len(self.life.retired),
+            "kv_blocks_reserved": kv_blocks,
+            "kv_blocks_capacity": None if kvc is None else kvc.capacity_blocks(),
+            "kv_sequences": kv_seqs,
             **self.counters,
         })

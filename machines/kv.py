@@ -218,6 +218,15 @@ class KvCoordinator:
         blocks: int | None = getattr(self.kv, "capacity_blocks", None)  # optional member
         return blocks
 
+    def usage(self) -> tuple[int, list[int]]:
+        """(blocks reserved by all sequences, the sequence ids holding KV reserved or
+        committed, sorted): the host-side view, no KvManager call."""
+        with self.admission_mu:
+            views = [view for view in self.seqs.values()
+                     if view.reserved_len > 0 or view.committed_len > 0]
+        return (sum(self.blocks_for(view.reserved_len) for view in views),
+                sorted(view.seq_id for view in views))
+
     def max_seqs(self) -> int | None:
         """The KvManager's sequence ids are ``0..max_seqs-1`` (None when the runtime object
         does not say)."""

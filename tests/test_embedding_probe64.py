@@ -110,3 +110,29 @@ def test_a_child_forked_before_start_starts_its_own_copy(calbin):
     assert _in_child(child) == {"start": ["ok", ""], "enqueue": ["result", ""],
                                 "shutdown": ["ok", ""]}
     assert ex.shutdown(1.0).ok  # never started here: nothing opened
+
+
+def test_the_snapshot_says_which_kv_is_held_and_a_release_gives_it_back(calbin):
+    """docs/embedding.md §3: an embedder releases each id once its jobs are done, and checks
+    with ``snapshot()`` that nothing leaked; the snapshot told the slots and the token
+    budget, not the KV: which ids hold KV and how many blocks (the reference server read
+    the executor's private coordinator for its KV gauge)."""
+    with running_executor(calbin, "kv_blocks=8;kv_block_size=16;max_seqs=8") as ex:
+        snap = ex.snapshot()
+        assert (snap["kv_blocks_reserved"], snap["kv_blocks_capacity"],
+                snap["kv_sequences"]) == (0, 8, [])
+        first = ex.enqueue(prefill(1, [3, 14, 15], kv_reserve_len=40)).result(10.0)
+        second = ex.enqueue(prefill(2, [3, 14, 15])).result(10.0)
+        assert isinstance(first, InferenceResult) and isinstance(second, InferenceResult)
+        snap = ex.snapshot()
+        assert (snap["kv_blocks_reserved"], snap["kv_sequences"]) == (3 + 1, [1, 2]), snap
+        assert ex.release_sequence(1, 1.0).ok
+        snap = ex.snapshot()
+        assert (snap["kv_blocks_reserved"], snap["kv_sequences"]) == (1, [2]), snap
+        assert ex.release_sequence(2, 1.0).ok
+        snap = ex.snapshot()
+        assert (snap["kv_blocks_reserved"], snap["kv_sequences"]) == (0, []), snap
+        assert ex.shutdown(5.0).ok
+        snap = ex.snapshot()
+        assert (snap["kv_blocks_reserved"], snap["kv_blocks_capacity"],
+                snap["kv_sequences"]) == (0, None, [])

@@ -8,8 +8,8 @@ for features an embedder's server would not need or would do otherwise:
 * ``generation``: the live generation's contracts (vocabulary size, submodels), to validate a
   request before it reaches the executor (service.py, openai_api.py);
 * ``kv``: the KvManager's ``max_seqs``, to check ``--max-sequences`` at start (service.py);
-* ``kvc``: the KV coordinator's host-side view, for the KV usage gauge (metrics.py) and the
-  live chart page's KV transaction counts (live_charts.py);
+* ``kvc``: the KV coordinator's host-side view, for the live chart page's KV transaction
+  counts (live_charts.py; the KV usage gauge reads ``snapshot()``'s ``kv_blocks_*``);
 * ``gen``, ``check_calbin`` and ``switch_model``: the admin model switch, the calbin check
   before it (a 400, nothing drained) and its answer (admin.py);
 * ``config`` and ``job_trail``: the debug endpoint of one job's chart path (debug.py).

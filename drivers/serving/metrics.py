@@ -224,18 +224,15 @@ _SERVER_GAUGE_HELP = {
 
 
 def kv_usage_fraction(executor: ServedExecutor) -> float:
-    """Blocks the current generation's KV coordinator holds reserved for its sequences over
-    the KvManager's capacity, from the coordinator's host-side view (no device call): 0 when
-    there is no generation or the runtime does not report its capacity."""
-    kvc = getattr(executor, "kvc", None)
-    if kvc is None:
-        return 0.0
-    capacity = kvc.capacity_blocks()
+    """Blocks the current generation's sequences hold reserved over the KvManager's
+    capacity, from the executor's snapshot (``kv_blocks_reserved``, ``kv_blocks_capacity``:
+    the coordinator's host-side view, no device call): 0 when there is no generation or the
+    runtime does not report its capacity."""
+    snap = executor.snapshot()
+    capacity = snap["kv_blocks_capacity"]
     if not capacity:
         return 0.0
-    with kvc.admission_mu:
-        views = list(kvc.seqs.values())
-    return min(1.0, sum(kvc.blocks_for(v.reserved_len) for v in views) / capacity)
+    return min(1.0, snap["kv_blocks_reserved"] / capacity)
 
 
 #: ``ServerConfig.metrics_names``: ``calexec`` (the calexec_ families only) or ``vllm`` (the
