@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 
@@ -25,7 +26,9 @@ def _in_child(body) -> dict:
     """``body()`` in a child forked now; its dict (or the exception it raised) comes back
     through a pipe. The child never returns into pytest (``os._exit``)."""
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # (3.12+ warns of a fork beside threads: this test's point)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os.close(read)
         try:
