@@ -1672,8 +1672,19 @@ class DeviceLifecycle:
             host.gen.kvc.close()
         host.dispatch.cancel_pending()
         host.wake_waiters()
-        if host.gen is not None:  # no request thread works on it past this point
-            self._fence(host.gen, min(budget, host.config.fence_grace_s))
+        # no request thread works on the generation past this point: one still inside (an
+        # enqueue or a stream's submit preparing its job in a buffer slot) keeps it from
+        # being torn down (it was released under that thread, whose request then failed
+        # ``internal.slot_dropped`` after the shutdown answered OK; a SetCSR on a destroyed
+        # buffer). Woken, such a thread leaves at once: it gets at least THREADS_EXIT_S, as
+        # the idle executor threads get to end, within ``fence_grace_s``
+        fenced = host.gen is None or self._fence(
+            host.gen, min(host.config.fence_grace_s, max(budget, THREADS_EXIT_S)))
+        fence_failure = None if fenced else Status.failure(
+            "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
+            f"a request thread (an enqueue, decode_sync or a decode stream's submit in its "
+            f"admission) still worked on generation {host.gen.id if host.gen else '-'} after "
+            f"grace={grace}s; nothing was torn down")
         if not host.config.threads:
             while host.submit_one():
                 pass
@@ -1684,20 +1695,23 @@ class DeviceLifecycle:
         left = max(0.0, until - host.clock.monotonic())
         host.stop_threads(left if not drained else max(left, THREADS_EXIT_S))
         with self.mu:
-            if drained and self.run.can(LIFECYCLE_EV_STOP):
+            if drained and fenced and self.run.can(LIFECYCLE_EV_STOP):
                 self.run.send(LIFECYCLE_EV_STOP)
             elif not self.run.final:
                 self.run.send(LIFECYCLE_EV_FAIL)
                 # (a start this shutdown interrupted in its warm-up, a golden job still on
                 # the device: its own Status says so, as it did when it failed itself)
                 start = self.start_status
-                self.failure = start if start is not None and not start.ok else Status.failure(
-                    "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
-                    f"submitted work did not drain within grace={grace}s")
+                self.failure = start if start is not None and not start.ok else (
+                    fence_failure or Status.failure(
+                        "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
+                        f"submitted work did not drain within grace={grace}s"))
         if host.device is None or self._device_closed:
             if self.run.state == LIFECYCLE_STOPPED:
                 return Status.OK
             return self.failure or self.start_status or Status.OK
+        if not fenced:  # a request thread still writes the generation's buffer slot
+            return fence_failure or self.failure or Status.OK
         if not drained:
             # the runtime may still DMA into our buffers: keep everything mapped and alive
             # (a recovery that a shutdown stopped may have ended Stopped before this drain)

@@ -742,7 +742,9 @@ class DeviceExecutor(SequenceOwnership):
                 job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = self.clock.now_us()
         if not dispatch.queue(job, self.gen):  # fencing: never into another generation's queue
-            return self.outcomes.fail_before_submit(job, Status.unavailable(
+            return self.outcomes.fail_before_submit(job, self._not_admitting(**job.ctx())
+                                                    if self.life.stopping else
+                                                    Status.unavailable(
                 Phase.SUBMIT, f"generation {gen.id} retired before the job was queued; retry",
                 **job.ctx()))
         return handle

@@ -139,3 +139,57 @@ def test_the_snapshot_says_which_kv_is_held_and_a_release_gives_it_back(calbin):
         snap = ex.snapshot()
         assert (snap["kv_blocks_reserved"], snap["kv_blocks_capacity"],
                 snap["kv_sequences"]) == (0, None, [])
+
+
+def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_in(
+        calbin, monkeypatch):
+    """A ``shutdown`` while another thread's ``enqueue`` prepared its job in a buffer slot
+    (copy, SliceTensor, SetCSR: inside the generation's fence) ignored the fence's answer:
+    it released the generation and closed the device under that thread and answered OK,
+    ``Stopped``; the request then failed ``internal.slot_dropped`` (a 500 and a fault asking
+    for a reset, after the shutdown), where docs/embedding.md section 6 has it answered
+    ``lifecycle.unavailable`` naming the shutdown (and a SetCSR on a destroyed buffer was a
+    step away). Now nothing is torn down while a request thread is inside: the shutdown
+    answers ``shutdown.not_drained`` naming it, everything kept; the request answers
+    ``lifecycle.unavailable``; a later ``shutdown`` tears the generation down."""
+    import threading
+
+    from calexec.machines.pool import BufferSlot
+
+    holding, opened = threading.Event(), threading.Event()
+    holder: list[threading.Thread] = []
+    prepare = BufferSlot.prepare
+
+    def gated_prepare(slot, request):
+        if holder and threading.current_thread() is holder[0] and not opened.is_set():
+            holding.set()
+            opened.wait(10.0)
+        return prepare(slot, request)
+
+    monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    with running_executor(calbin) as ex:
+        answers: list = []
+        thread = threading.Thread(target=lambda: answers.append(
+            ex.enqueue(prefill(1, [3, 14, 15])).result(10.0)), name="request")
+        holder.append(thread)
+        thread.start()
+        try:
+            assert holding.wait(10.0), "the request never reached its preparation"
+            status = ex.shutdown(0.0)
+            assert status.code == "shutdown.not_drained", status
+            assert "a request thread" in status.message and "nothing was torn down" in \
+                status.message, status.message
+            snap = ex.snapshot()  # kept: the generation and its slots (one leased)
+            assert snap["generation"] == 1 and snap["slots"] is not None, snap
+            assert snap["slots"]["Leased"] == 1, snap["slots"]
+        finally:
+            opened.set()
+            thread.join(10.0)
+        assert not thread.is_alive()
+        (answer,) = answers
+        assert isinstance(answer, Status) and answer.code == "lifecycle.unavailable", answer
+        assert "shutting down" in answer.message, answer.message
+        assert ex.snapshot()["slots"]["Leased"] == 0
+        ex.shutdown(5.0)  # the thread left: the generation is torn down, the device closed
+        snap = ex.snapshot()
+        assert snap["generation"] is None and snap["slots"] is None, snap
