@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 
 import pytest
@@ -24,7 +25,8 @@ def calbin(tmp_path_factory):
 
 def _in_child(body) -> dict:
     """``body()`` in a child forked now; its dict (or the exception it raised) comes back
-    through a pipe. The child never returns into pytest (``os._exit``)."""
+    through a pipe. The child never returns into pytest: it replaces itself with a Python
+    that does nothing (``os.execv``: no test teardown, no exit handler runs there)."""
     read, write = os.pipe()
     with warnings.catch_warnings():  # (3.12+ warns of a fork beside threads: this test's point)
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -38,7 +40,7 @@ def _in_child(body) -> dict:
         try:
             os.write(write, json.dumps(out).encode())
         finally:
-            os._exit(0)
+            os.execv(sys.executable, [sys.executable, "-c", "pass"])
     os.close(write)
     with os.fdopen(read, "rb") as pipe:
         data = pipe.read()
