@@ -142,7 +142,8 @@ def _forked_child() -> None:
     closed, as after a ``shutdown``, and ``forked_from`` names the parent (no lock taken:
     the child runs one thread, and a lock another parent thread held stays held in it)."""
     for life in list(_STARTED):
-        if life.started_in is not None:
+        # (one whose device its shutdown or failed start closed has nothing left to copy)
+        if life.started_in is not None and not life._device_closed:
             life.forked_from = life.started_in
             life.admitting = False
             life.stopping = True

@@ -195,3 +195,20 @@ def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_
         ex.shutdown(5.0)  # the thread left: the generation is torn down, the device closed
         snap = ex.snapshot()
         assert snap["generation"] is None and snap["slots"] is None, snap
+
+
+def test_a_child_forked_after_shutdown_answers_as_after_a_shutdown(calbin):
+    """An executor the parent shut down (its device closed) has nothing of the parent's
+    left to guard: the child's copy answers as the parent's does, the shutdown named."""
+    ex = make_executor(calbin)
+    assert ex.shutdown(5.0).ok
+
+    def child() -> dict:
+        return {"enqueue": _said(ex.enqueue(prefill(1, [3, 14, 15])).result(10.0)),
+                "shutdown": _said(ex.shutdown(1.0)), "health": ex.health()}
+
+    out = _in_child(child)
+    assert out["enqueue"][0] == "lifecycle.unavailable", out
+    assert "shutting down" in out["enqueue"][1] and "forked" not in out["enqueue"][1], out
+    assert out["shutdown"] == ["ok", ""] and out["health"] == [
+        "lifecycle is Stopped, not admitting"], out
