@@ -403,29 +403,40 @@ class VllmMetrics:
 #: the routes ``calexec_api_requests_total`` counts, by path: the label ``route``
 API_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
               "/v1/responses": "responses"}
-#: ``calexec_api_requests_total``'s outcomes: answered whole (a 200 body, a stream that sent
-#: ``[DONE]``, or a Responses stream its ``response.completed`` / ``response.incomplete``
-#: event: ``_WHOLE``); refused (a failure the route counted: never admitted, or a later choice of it
-#: refused admission); failed (anything else: an error after admission, a stream's error
-#: event, the client gone, a cut); handed_off (a fleet request a draining replica handed to a
-#: sibling at a token boundary, drivers/serving/handoff.py: the sibling counts its outcome, so
-#: a sum over replicas counts it once outside ``handed_off``)
+#: ``calexec_api_requests_total``'s outcomes: answered whole (a 200 body, or a stream whose
+#: route said it sent its last event, :func:`mark_whole`: ``[DONE]``, or a Responses stream
+#: its ``response.completed`` / ``response.incomplete`` event); refused (a failure the route
+#: counted: never admitted, or a later choice of it refused admission); failed (anything
+#: else: an error after admission, a stream's error event, the client gone, a cut);
+#: handed_off (a fleet request a draining replica handed to a sibling at a token boundary,
+#: drivers/serving/handoff.py: the sibling counts its outcome, so a sum over replicas counts
+#: it once outside ``handed_off``)
 API_OUTCOMES = ("success", "failed", "refused", "handed_off")
-_DONE = b"data: [DONE]\n\n"
-#: a Responses stream's last event when it was answered whole (drivers/serving/responses_api.py;
-#: an event's name line starts a frame, and a JSON ``data`` line holds no bare newline)
-_WHOLE = (b"event: response.completed\n", b"event: response.incomplete\n")
 
 
 class _Tally:
     """What the route said of the request ``RequestTally`` counts (``refused``,
-    ``handed_off``)."""
+    ``handed_off``, a stream sent ``whole``)."""
 
-    __slots__ = ("handed_off", "refused")
+    __slots__ = ("handed_off", "refused", "whole")
 
     def __init__(self) -> None:
         self.refused = False
         self.handed_off = False
+        self.whole = False
+
+
+def mark_whole(whole: bool = True) -> None:
+    """The route's stream (a request of ``API_ROUTES``, in this task) is about to send its
+    last event, answered whole (``[DONE]``; a Responses stream's ``response.completed`` or
+    ``response.incomplete``): ``calexec_api_requests_total`` counts it ``success``.
+    ``whole=False``: a route relaying such a stream answered otherwise after all (the
+    Responses' translation of a chat stream failed). The last word counts. Said by the
+    route, never read from the bytes: a model's answer could hold any byte pattern. No-op
+    outside such a request."""
+    tally = _TALLY.get()
+    if tally is not None:
+        tally.whole = whole
 
 
 def mark_handed_off() -> None:
@@ -472,8 +483,6 @@ class RequestTally:
         token = _TALLY.set(tally)
         status: int | None = None
         stream = False
-        tail = b""
-        whole = False  # a Responses stream sent its last event (_WHOLE)
         counted = False
 
         def count(escaped: bool = False) -> None:
@@ -482,23 +491,17 @@ class RequestTally:
                 counted = True
                 outcome = ("refused" if tally.refused or escaped
                            else "handed_off" if tally.handed_off
-                           else "success" if status == 200 and (not stream or tail == _DONE
-                                                                or whole)
+                           else "success" if status == 200 and (not stream or tally.whole)
                            else "failed")
                 self.metrics.api_requests.labels(route, outcome).inc()
 
         async def counting_send(message: Any) -> None:
-            nonlocal status, stream, tail, whole
+            nonlocal status, stream
             if message["type"] == "http.response.start":
                 status = message["status"]
                 stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                              for k, v in message.get("headers", ()))
             elif message["type"] == "http.response.body":
-                if stream:
-                    body = message.get("body", b"")
-                    tail = (tail + body)[-len(_DONE):]
-                    whole = whole or (route == "responses" and any(
-                        body.startswith(end) or b"\n\n" + end in body for end in _WHOLE))
                 if not message.get("more_body", False):
                     count()  # before the client can see the answer end
             await send(message)

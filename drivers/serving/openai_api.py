@@ -1881,6 +1881,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                      "usage": state.usage()}) + tail
                 if state.progress is not None:  # one message: a cut never splits the tail
                     state.progress({"final": True})
+                metrics.mark_whole()  # (said here: the answer's bytes could read as [DONE])
                 yield tail
             finally:
                 await stop()
@@ -1967,6 +1968,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     tail.append(b"data: [DONE]\n\n")
                     if progress is not None:
                         progress({"final": True})
+                    metrics.mark_whole()  # (said here: the answer's bytes could read as [DONE])
                     # one message: one send instead of two or three (the same bytes), and a
                     # cut never splits the tail
                     yield b"".join(tail)

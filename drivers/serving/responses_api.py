@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from calexec.contracts.errors import Category
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving import wire
+from calexec.drivers.serving import metrics, wire
 from calexec.drivers.serving.openai_api import (
     ChatPath,
     ChatRequest,
@@ -749,7 +749,9 @@ async def _relay(chat: wire.BoundedStreamingResponse, events: EventStream
                     frame, pending = pending.split(b"\n\n", 1)
                     data = frame.removeprefix(b"data: ")
                     if data == b"[DONE]":
-                        yield out + events.end()
+                        end = out + events.end()
+                        metrics.mark_whole()  # (response.completed or .incomplete)
+                        yield end
                         return
                     chunk = json.loads(data)
                     if "error" in chunk:
@@ -758,6 +760,7 @@ async def _relay(chat: wire.BoundedStreamingResponse, events: EventStream
                     out += events.chunk(chunk)
             except Exception as exc:  # noqa: BLE001 - a bug here: the stream's failure, said
                 log.exception("request %s: translating the chat stream", events.answer.id)
+                metrics.mark_whole(False)  # (the chat stream said [DONE]: not this answer)
                 yield out + events.failed({"code": "server_error", "message":
                                            f"unexpected {type(exc).__name__} (server log)"})
                 return
