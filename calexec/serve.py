@@ -71,6 +71,7 @@ from calexec.drivers.serving.service import (
     cors_origin_problem,
     sequence_ids_problem,
 )
+from calexec.drivers.serving.wire import cut_ids
 from calexec.machines import switch_check
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -605,7 +606,8 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                 return EXIT_FAILED
             if not drained["drained"]:
                 print(f"calexec serve --ray: {drained['active']} request(s) still running "
-                      f"after --grace={args.grace:g} s are cut", file=sys.stderr)
+                      f"after --grace={args.grace:g} s are cut"
+                      f"{cut_ids(drained.get('request_ids', []))}", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
         except local_ray.RayBindError as err:

@@ -269,6 +269,7 @@ def test_a_stream_longer_than_the_grace_is_cut_and_the_exit_is_3():
         signalled = False
         with pytest.raises(httpx.HTTPError):  # 300 tokens at 20 ms: 6 s, cut after 1 s
             with httpx.stream("POST", f"{fleet.url}/v1/completions", timeout=60,
+                              headers={"X-Request-Id": "fleet-cut-64"},
                               json={"prompt": [2], "max_tokens": 300, "stream": True}) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -278,8 +279,9 @@ def test_a_stream_longer_than_the_grace_is_cut_and_the_exit_is_3():
                         signalled = True
         assert 5 <= len(tokens) < 300
         assert fleet.proc.wait(120) == 3
-        assert any("1 request(s) still running after --grace=1 s are cut" in line
-                   for line in fleet.stderr)
+        # named as the single server's drain names them (tests/test_fleet_shutdown.py)
+        assert any("1 request(s) still running after --grace=1 s are cut "
+                   "(x-request-id: fleet-cut-64)" in line for line in fleet.stderr)
         assert not fleet.leftovers(), fleet.leftovers()
         assert not still_listening(sockets), still_listening(sockets)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 import needs
 from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+from calexec.drivers.serving import wire
 from test_fleet_ingress import UNCUT, Client, Replica, Router
 
 
@@ -50,7 +52,7 @@ def test_a_draining_ingress_refuses_new_requests_and_waits_for_the_admitted_ones
 
     first, late, drained = asyncio.run(scenario())
     assert first.content == UNCUT and first.ended  # the admitted stream was not cut
-    assert drained == {"drained": True, "active": 0}
+    assert drained == {"drained": True, "active": 0, "request_ids": []}
     assert len(r1.requests) == 1  # the late request never reached the replica
     assert late.starts[0]["status"] == 503 and late.header(b"retry-after") == b"2"
     error = json.loads(late.content)["error"]
@@ -71,8 +73,44 @@ def test_a_drain_gives_up_after_its_grace_and_says_how_many_requests_are_left():
         await first
         return drained
 
-    assert asyncio.run(scenario()) == {"drained": False, "active": 1}
+    drained = asyncio.run(scenario())
+    assert drained["drained"] is False and drained["active"] == 1
     assert app.active == 0
+
+
+def test_a_drain_that_leaves_requests_names_their_request_ids_as_the_servers_does(caplog):
+    """The fleet's drain line counted the requests it left to be cut but named none, where a
+    single server's names their ``x-request-id`` s (tests/test_ops_opb63.py): the client's
+    ``X-Request-Id``, else the id its response started with, in admission order, bounded as
+    the server's (``wire.cut_ids``)."""
+    gate = asyncio.Event()
+    r1 = Replica("r1", gate=gate)
+    app = ingress(Router(r1))
+    mine = Client(headers=((b"x-request-id", b"client-report-64"),))
+    theirs = Client()  # sends no id: the one its response started with names it
+
+    async def scenario():
+        runs = []
+        for client in (mine, theirs):  # one at a time: admitted in this order
+            runs.append(asyncio.ensure_future(client.run(app)))
+            while not client.starts:
+                await asyncio.sleep(0.01)
+        drained = await app.drain(grace_s=0.1, poll_s=0.01)
+        gate.set()
+        await asyncio.gather(*runs)
+        return drained
+
+    with caplog.at_level(logging.INFO, logger="calexec.fleet_ingress"):
+        drained = asyncio.run(scenario())
+    given = theirs.header(b"x-request-id").decode()
+    assert given and given != "client-report-64"
+    assert drained == {"drained": False, "active": 2,
+                       "request_ids": ["client-report-64", given]}
+    assert (f"ingress drain: grace 0.1s over, 2 request(s) still running are cut "
+            f"(x-request-id: client-report-64, {given})") in caplog.text, caplog.text
+    assert app.active == 0
+    # the fleet's own exit line (calexec/serve.py) names them with the server's words too
+    assert wire.cut_ids(drained["request_ids"]) == f" (x-request-id: client-report-64, {given})"
 
 
 @pytest.mark.parametrize("grace", [-1.0, float("nan"), float("inf")])

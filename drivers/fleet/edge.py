@@ -353,18 +353,25 @@ async def stop_stream(stream: Any) -> None:
         log.warning("could not stop a relay stream: %r", err)
 
 
-def with_request_id(scope: Message, send: Send) -> Send:
+def with_request_id(scope: Message, send: Send,
+                    sent: Callable[[str], None] | None = None) -> Send:
     """``send`` adding ``x-request-id`` (the client's sane ``X-Request-Id``, else a new id:
     ``wire.RequestId``, the server's rule) to a response start that has none: a relay's own
-    answers need one, while a response it relays keeps the replica's."""
+    answers need one, while a response it relays keeps the replica's. ``sent`` is told the
+    id the client was answered with (its own or the replica's) as the response starts."""
     ids = wire.RequestId(wire.client_request_id(scope.get("headers", [])))
+    key = wire.REQUEST_ID_HEADER.encode()
 
     async def send_with_id(message: Message) -> None:
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", ()))
-            if not any(name.lower() == wire.REQUEST_ID_HEADER.encode() for name, _ in headers):
-                headers.append((wire.REQUEST_ID_HEADER.encode(), ids.value().encode("ascii")))
+            given = [value for name, value in headers if name.lower() == key]
+            if not given:
+                given = [ids.value().encode("ascii")]
+                headers.append((key, given[0]))
                 message = {**message, "headers": headers}
+            if sent is not None:
+                sent(given[0].decode("latin-1"))
         await send(message)
     return send_with_id
 

@@ -253,12 +253,19 @@ class FleetIngress:
         self.draining = False
         #: HTTP requests admitted here and not finished (what :meth:`drain` waits for)
         self.active = 0
+        #: the ``x-request-id`` of each admitted request, in admission order: the client's
+        #: ``X-Request-Id``, else the one its response started with (None before that: its
+        #: client was given none); a drain that leaves requests names them
+        self._ids: dict[object, str | None] = {}
 
     async def drain(self, grace_s: float, poll_s: float = 0.05) -> dict[str, Any]:
         """Stop admitting (every new request: 503 + ``Retry-After``, "fleet is draining") and
         wait up to ``grace_s`` for the requests already admitted to finish, failovers
-        included. ``{"drained": True}`` when none is left, else ``{"drained": False,
-        "active": n}`` (they are cut when the fleet stops). The fleet's SIGTERM path
+        included. ``{"drained": True, "active": 0, "request_ids": []}`` when none is left,
+        else ``{"drained": False, "active": n, "request_ids": [...]}`` (they are cut when the
+        fleet stops): ``request_ids`` the ``x-request-id`` s of those left that have one (the
+        client's, or its response's), in admission order, for the line that cuts them (as
+        the single server's drain names them: ``wire.cut_ids``). The fleet's SIGTERM path
         (calexec/serve.py) calls it before Serve shuts down, so no admitted request
         loses its connection to the proxy's shutdown."""
         if not math.isfinite(grace_s) or grace_s < 0:
@@ -267,8 +274,14 @@ class FleetIngress:
         deadline = time.monotonic() + grace_s
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-        log.info("ingress drain: %d request(s) left", self.active)
-        return {"drained": self.active == 0, "active": self.active}
+        left = self.active
+        ids = [rid for rid in list(self._ids.values()) if rid is not None]
+        if left:
+            log.warning("ingress drain: grace %gs over, %d request(s) still running are cut%s",
+                        grace_s, left, wire.cut_ids(ids))
+        else:
+            log.info("ingress drain: every admitted request finished")
+        return {"drained": left == 0, "active": left, "request_ids": ids if left else []}
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -276,15 +289,23 @@ class FleetIngress:
             return
         if scope["type"] != "http":
             return
-        send = with_request_id(scope, send)  # its own answers too (a replica's: kept)
         if self.draining and (scope["method"], route_path(scope)) not in PROBES:
-            await self._refuse_draining(scope, receive, send)
+            # its own answers too (a replica's: kept)
+            await self._refuse_draining(scope, receive, with_request_id(scope, send))
             return
+        key = object()
+        self._ids[key] = wire.client_request_id(scope.get("headers", []))
+
+        def sent(request_id: str) -> None:
+            if key in self._ids:
+                self._ids[key] = request_id
+        send = with_request_id(scope, send, sent)
         self.active += 1
         try:
             await self._admitted(scope, receive, send)
         finally:
             self.active -= 1
+            self._ids.pop(key, None)
 
     async def _refuse_draining(self, scope: Message, receive: Receive, send: Send) -> None:
         """The draining 503 + ``Retry-After`` ("fleet is draining"), once the request's body

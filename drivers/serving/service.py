@@ -175,9 +175,8 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
 #: request are set up together, each an admission, a task and a held answer, before the
 #: first runs; OpenAI's own cap on ``n`` is 128
 MAX_CHOICES = 1024
-#: how many ``x-request-id`` s a line cutting requests names (a drain's grace over, a forced
-#: exit); the rest are counted ("and M more")
-CUT_IDS_LOGGED = 8
+#: how many ``x-request-id`` s a line cutting requests names (``wire.cut_ids``)
+CUT_IDS_LOGGED = wire.CUT_IDS_LOGGED
 
 
 def _count(low: int) -> Callable[[Any, Any, Any], None]:
@@ -1501,13 +1500,8 @@ class CompletionService:
         order they were admitted; a request of several choices is one id), ``""`` when none
         has an id yet. An operator without ``--dump-dir`` matches a client's report to the
         cut by it."""
-        ids = list(dict.fromkeys(run.x_request_id for run in list(self._live.values())
-                                 if run.x_request_id is not None))
-        if not ids:
-            return ""
-        more = len(ids) - limit
-        named = ", ".join(ids[:limit])
-        return f" (x-request-id: {named}{f' and {more} more' if more > 0 else ''})"
+        return wire.cut_ids([run.x_request_id for run in list(self._live.values())
+                             if run.x_request_id is not None], limit)
 
     def _close_and_release(self, run: RequestRun) -> bool:
         """(``finish``, a worker thread: one hand-off, not two) Close the run's decode stream

@@ -46,6 +46,22 @@ MAX_REQUEST_ID_CHARS = 128
 SANE_REQUEST_ID = re.compile(rb"[\x20-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
 #: ASGI scope key: the request's :class:`RequestId` (set by :class:`RequestIds`)
 REQUEST_ID = "calexec.request_id"
+#: how many ``x-request-id`` s a line cutting requests names (a drain's grace over, a forced
+#: exit, the fleet ingress's drain); the rest are counted ("and M more")
+CUT_IDS_LOGGED = 8
+
+
+def cut_ids(ids: list[str], limit: int = CUT_IDS_LOGGED) -> str:
+    """``" (x-request-id: a, b and 3 more)"``: the end of a log line that cuts requests, the
+    first ``limit`` distinct ``ids`` (in their order) named and the rest counted; ``""`` for
+    none. An operator without ``--dump-dir`` matches a client's report to the cut by it; the
+    single server's drain and the fleet ingress's say it alike."""
+    distinct = list(dict.fromkeys(ids))
+    if not distinct:
+        return ""
+    more = len(distinct) - limit
+    named = ", ".join(distinct[:limit])
+    return f" (x-request-id: {named}{f' and {more} more' if more > 0 else ''})"
 
 
 class RequestId:
