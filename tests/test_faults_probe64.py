@@ -129,3 +129,41 @@ def test_an_answer_whose_text_is_the_ends_bytes_is_counted_by_how_it_ended(tmp_p
                                                  "completions/failed": 1.0}
     finally:
         executor.shutdown(5.0)
+
+
+def test_a_soak_whose_executor_did_not_start_says_so_once(monkeypatch, capsys):
+    """``calexec bench soak`` on a host too busy for the start's golden job (its 0.4 s
+    execution deadline) printed ``calexec bench soak: executor did not start: executor did not
+    start: execution.deadline ...``: the bench's executor error already says it."""
+    from calexec.drivers.tools.bench import fault_cost, soak
+
+    def refused(*args, **kwargs):
+        raise fault_cost.BenchError("executor did not start: execution.deadline [device/wait] "
+                                    "execution deadline passed (job_id=1 seq_id=0 generation=1)")
+    monkeypatch.setattr(fault_cost, "bench_executor", refused)
+    assert soak.main(["--requests", "6", "--faults", "1", "--clients", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("executor did not start") == 1, err
+    assert ("calexec bench soak: executor did not start: execution.deadline [device/wait] "
+            "execution deadline passed (job_id=1 seq_id=0 generation=1)\n") in err, err
+
+
+def test_a_bench_executor_whose_golden_ran_past_its_deadline_says_what_to_do(monkeypatch,
+                                                                             tmp_path):
+    """The start's golden job past the bench's 0.4 s execution deadline (a busy host): the
+    line says that deadline is the bench's and to run it again, not only the device's code."""
+    from calexec.contracts.errors import Category
+    from calexec.contracts.status import Phase, Status
+    from calexec.drivers.tools.bench import fault_cost
+    from calexec.machines.executor import DeviceExecutor
+
+    late = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
+                          "execution deadline passed", job_id=1, seq_id=0, generation=1)
+    monkeypatch.setattr(DeviceExecutor, "start", lambda self: late)
+    with pytest.raises(fault_cost.BenchError) as err:
+        fault_cost.bench_executor(tmp_path)
+    message = str(err.value)
+    assert message.startswith("executor did not start: execution.deadline"), message
+    assert ("its golden job ran past this bench's execution deadline (0.4 s, short so that a "
+            "hung job costs little): the host is too busy for it, run the bench again when "
+            "it is quieter") in message, message

@@ -54,6 +54,11 @@ class BenchError(RuntimeError):
     pass
 
 
+#: the bench executor's execution deadline (``ExecutorConfig.execution_timeout_s``): a hung
+#: job is found and recovered well under a second
+EXECUTION_TIMEOUT_S = 0.4
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
@@ -171,7 +176,7 @@ def bench_executor(workdir: Path, native_relay: bool = False, inflight_capacity:
                               ExecutorConfig(
                                   calbin_path=path,
                                   device_config="decode_us=1500;prefill_per_token_us=50",
-                                  execution_timeout_s=0.4, timeout_grace_s=0.1,
+                                  execution_timeout_s=EXECUTION_TIMEOUT_S, timeout_grace_s=0.1,
                                   golden_timeout_s=5.0,
                                   recovery=RecoveryPolicy(max_recoveries=1_000_000,
                                                           drain_grace_s=0.2),
@@ -183,7 +188,12 @@ def bench_executor(workdir: Path, native_relay: bool = False, inflight_capacity:
                                   downgrade_after_faults=1_000_000))
     status = executor.start()
     if not status.ok:
-        raise BenchError(f"executor did not start: {status}")
+        busy = ""
+        if status.code == "execution.deadline":  # (the start's golden job)
+            busy = (f"; its golden job ran past this bench's execution deadline "
+                    f"({EXECUTION_TIMEOUT_S:g} s, short so that a hung job costs little): "
+                    "the host is too busy for it, run the bench again when it is quieter")
+        raise BenchError(f"executor did not start: {status}{busy}")
     return executor
 
 

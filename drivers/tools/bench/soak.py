@@ -580,6 +580,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     from calexec.drivers.tools.bench.fault_cost import (
         FIRE_WAIT_S,
         READY_WAIT_S,
+        BenchError,
         bench_executor,
         wait_until,
     )
@@ -613,6 +614,8 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     with tempfile.TemporaryDirectory(prefix="calexec-bench-soak-") as tmp:
         try:
             executor = bench_executor(Path(tmp), native_relay, inflight_capacity)
+        except BenchError as exc:  # (its message says the executor did not start, and why)
+            raise SoakError(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - said in one line by main
             raise SoakError(f"executor did not start: {exc}") from exc
         calbin_path = executor.gen.calbin_path if executor.gen is not None else ""
