@@ -167,3 +167,27 @@ def test_a_bench_executor_whose_golden_ran_past_its_deadline_says_what_to_do(mon
     assert ("its golden job ran past this bench's execution deadline (0.4 s, short so that a "
             "hung job costs little): the host is too busy for it, run the bench again when "
             "it is quieter") in message, message
+
+
+def test_a_soak_of_long_requests_gives_them_a_deadline_their_tokens_fit(tmp_path):
+    """``calexec bench soak --max-tokens 2000-6000`` (accepted: up to ``MAX_TOKENS``) ended at
+    its first fault-free reference, ``HTTP 504 admission.deadline request timeout=60 s passed
+    after 4325 generated tokens``: every request had 60 s, where a slow reader alone takes up
+    to 10 ms a token. The deadline now grows with the tokens asked for, and the soak's server
+    takes it (past its default ``max_timeout_s``, 600 s)."""
+    from calexec.drivers.tools.bench import soak
+    from test_server_support import started_executor as start
+
+    longest = soak.request_timeout(soak.MAX_TOKENS)
+    assert longest >= soak.REQUEST_TIMEOUT_S + soak.MAX_TOKENS * soak.SLOW_READ_S[1]
+    assert soak.request_timeout(8) < soak.REQUEST_TIMEOUT_S + 1  # a short request: as before
+    config = soak.soak_server_config(longest)
+    assert config.max_timeout_s >= longest > ServerConfig().max_timeout_s
+    executor = start(tmp_path)
+    try:
+        with ServeLikeServer(create_app(executor, config)) as server:
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+                "prompt": [1, 2], "max_tokens": 2, "timeout": longest})
+        assert answer.status_code == 200, answer.text
+    finally:
+        executor.shutdown(5.0)

@@ -78,17 +78,27 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from calexec import cliargs
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import calbin as calbin_fmt
 
+if TYPE_CHECKING:  # (the server's modules need the [server] extra: imported by run_soak)
+    from calexec.drivers.serving.service import ServerConfig
+
 MODES = ("plain", "stream", "slow", "disconnect")
 #: the faults a request is not resumed from (drivers/serving/resume.py): the request whose job
 #: met one fails with that job's failure; everything else is resumed within the budget
 NOT_RESUMED = frozenset({"unknown_csr", "slice_fail"})
+#: a request's timeout (its body's deadline and its client's bound) for a few tokens; a request
+#: of up to ``hi`` tokens gets ``PER_TOKEN_S`` more a token (:func:`request_timeout`)
 REQUEST_TIMEOUT_S = 60.0
+#: a slow reader's longest pause between two events (``SLOW_READ_S``) and a decode step on the
+#: busy 2-core host at the slowest phase, with room: a long request's deadline grows with it
+PER_TOKEN_S = 0.05
+#: a slow reader's pause between two events (seconds, drawn uniformly)
+SLOW_READ_S = (0.002, 0.01)
 IDLE_WAIT_S = 30.0
 THREAD_WAIT_S = 10.0
 WARM_SHARE = 0.1  # the first 10 % of the requests: the RSS baseline is taken after them
@@ -277,10 +287,18 @@ def _read(http, body: dict[str, Any], mode: str, rng: random.Random) -> Outcome:
                 if mode == "disconnect" and len(tokens) >= keep:
                     return Outcome(tokens, "disconnected")  # leaving the block closes it
                 if mode == "slow":
-                    time.sleep(rng.uniform(0.002, 0.01))
+                    time.sleep(rng.uniform(*SLOW_READ_S))
         return Outcome(tokens, None, "stream ended without [DONE]", f"{len(tokens)} tokens")
     except Exception as err:  # noqa: BLE001 - a transport error is what the client saw
         return Outcome([], None, f"transport {type(err).__name__}", str(err)[:200])
+
+
+def request_timeout(max_tokens: int) -> float:
+    """The timeout of the soak's requests of up to ``max_tokens`` tokens: ``REQUEST_TIMEOUT_S``
+    and ``PER_TOKEN_S`` a token. A fixed 60 s failed every run of ``--max-tokens`` past a few
+    thousand (the fault-free references first: ``HTTP 504 ... timeout=60 s passed after 4325
+    generated tokens``), where a slow reader alone takes up to 10 ms a token."""
+    return REQUEST_TIMEOUT_S + max_tokens * PER_TOKEN_S
 
 
 class _Traffic:
@@ -290,6 +308,8 @@ class _Traffic:
     def __init__(self, seed: int, tokens: tuple[int, int]) -> None:
         rng = random.Random(seed)
         self.lo, self.hi = tokens
+        #: every request's ``timeout`` (and its client's bound): :func:`request_timeout`
+        self.timeout = request_timeout(self.hi)
         self.prompts = [tuple(rng.randrange(1, 150000)
                               for _ in range(rng.randint(1, MAX_PROMPT_TOKENS)))
                         for _ in range(PROMPT_POOL)]
@@ -305,11 +325,11 @@ class _Traffic:
 
         if rng.random() < SAMPLED_SHARE and self.references:
             k = rng.randrange(len(self.sampled))
-            return dict(self.sampled[k], timeout=REQUEST_TIMEOUT_S), self.references[k]
+            return dict(self.sampled[k], timeout=self.timeout), self.references[k]
         prompt = self.prompts[rng.randrange(PROMPT_POOL)]
         n = rng.randint(self.lo, self.hi)
         expected = list(oracle_tokens(prompt, self.hi)[:n])
-        return {"prompt": list(prompt), "max_tokens": n, "timeout": REQUEST_TIMEOUT_S}, expected
+        return {"prompt": list(prompt), "max_tokens": n, "timeout": self.timeout}, expected
 
 
 def _wrong(outcome: Outcome, expected: list[int]) -> bool:
@@ -327,7 +347,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally
     import httpx
 
     rng = random.Random(seed * 1000 + index)
-    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as http:
+    with httpx.Client(base_url=url, timeout=traffic.timeout) as http:
         while tally.take(stop, deadline):
             mode = MODES[rng.randrange(len(MODES))]
             body, expected = traffic.pick(rng)
@@ -564,6 +584,16 @@ class _Monitor(threading.Thread):
                       file=sys.stderr, flush=True)
 
 
+def soak_server_config(timeout: float) -> ServerConfig:
+    """The soak server's ``ServerConfig``: its admin token, and a ``max_timeout_s`` (600 s by
+    default) that takes the traffic's ``timeout`` (:func:`request_timeout`)."""
+    from calexec.drivers.serving.service import ServerConfig
+    from calexec.drivers.tools.chaos import TOKEN
+
+    default = ServerConfig()
+    return ServerConfig(admin_token=TOKEN, max_timeout_s=max(default.max_timeout_s, timeout))
+
+
 def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
              phases: list[Phase] | None = None, max_tokens: tuple[int, int] = (4, 8),
              max_seconds: float = 3600.0, progress_s: float = 30.0,
@@ -575,7 +605,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
-    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import create_app
     from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.bench.fault_cost import (
         FIRE_WAIT_S,
@@ -584,7 +614,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         bench_executor,
         wait_until,
     )
-    from calexec.drivers.tools.chaos import AUTH, FAULTS, TOKEN, LiveServer, arm_fault
+    from calexec.drivers.tools.chaos import AUTH, FAULTS, LiveServer, arm_fault
 
     phases = phases or parse_phases("0,2000")
     hooks = hooks or Hooks()
@@ -619,7 +649,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         except Exception as exc:  # noqa: BLE001 - said in one line by main
             raise SoakError(f"executor did not start: {exc}") from exc
         calbin_path = executor.gen.calbin_path if executor.gen is not None else ""
-        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        app = create_app(executor, soak_server_config(traffic.timeout))
         service = app.state.service
         metrics = service.metrics.registry
         emu = bundled_emulator(executor.device)
@@ -654,10 +684,10 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         try:
             with LiveServer(app) as server:
                 # the sampled references, fault-free, before any fault (and warm-up)
-                with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+                with httpx.Client(base_url=server.url, timeout=traffic.timeout) as http:
                     for k, body in enumerate(traffic.sampled):
                         got = _read(http, {**body, "stream": False,
-                                           "timeout": REQUEST_TIMEOUT_S}, "plain", rng)
+                                           "timeout": traffic.timeout}, "plain", rng)
                         if got.error is not None:
                             raise SoakError(f"fault-free reference {k} failed: {got.error} "
                                             f"{got.message}")
