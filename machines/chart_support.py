@@ -39,6 +39,8 @@ from statemachine.callbacks import CallbackGroup
 from statemachine.spec_parser import UnsupportedExpression, operator_mapping, parse_boolean_expr
 from statemachine.transition import Transition as DeclaredTransition
 
+from calexec.machines.guard_expr import callable_name
+
 log = logging.getLogger(__name__)
 
 
@@ -453,7 +455,9 @@ def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:
 
 
 def _name(func: Any) -> str:
-    return func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+    """A callback as its chart declared it: a name as written, a callable by
+    ``guard_expr.callable_name`` (a lambda by its source text, never ``<lambda>``)."""
+    return func if isinstance(func, str) else callable_name(func)
 
 
 def _invoked(func: Any) -> str:

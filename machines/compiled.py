@@ -66,7 +66,7 @@ from calexec.machines.chart_support import (
     semantics,
 )
 from calexec.machines.charts import DECLARED
-from calexec.machines.guard_expr import shown
+from calexec.machines.guard_expr import callable_name, shown
 
 
 @attrs.frozen
@@ -692,8 +692,7 @@ def _guard_names(transition: Any, expected: bool, named_only: bool = True) -> tu
         if _constant(spec) is not None:
             continue
         if not named_only and not (isinstance(spec.func, str) and spec.func.isidentifier()):
-            names.append(spec.func if isinstance(spec.func, str)
-                         else str(getattr(spec.func, "__name__", spec.func)))
+            names.append(spec.func if isinstance(spec.func, str) else callable_name(spec.func))
             continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
@@ -706,7 +705,7 @@ def _guard_names(transition: Any, expected: bool, named_only: bool = True) -> tu
 
 
 def _describe_guard(func: Any) -> str:
-    return repr(func) if isinstance(func, str) else f"{getattr(func, '__name__', func)!r} (a callable)"
+    return repr(func) if isinstance(func, str) else f"{callable_name(func)!r} (a callable)"
 
 
 def _constant(spec: Any) -> bool | None:

@@ -13,12 +13,17 @@ Only ``and``, ``or``, ``not``, names and constants are such expressions. A compa
 (``load > 3``), a call (``In('busy')``) or anything else python-statemachine evaluates on
 values a path does not set is refused: ``UnsettableGuard`` says why, and the caller names the
 guard and its transition.
+
+``canonical`` and ``callable_name`` are how a guard is named where one word must stand for it
+(a guard mutant's id) or where python-statemachine has only ``<lambda>`` for it (a callable).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import linecache
+import os
 from collections.abc import Mapping
 
 from statemachine.spec_parser import replace_operators
@@ -177,3 +182,98 @@ def _show(node: ast.expr, nested: bool) -> str:
     word = " and " if isinstance(node.op, ast.And) else " or "
     text = word.join(_show(value, nested=True) for value in node.values)
     return f"({text})" if nested else text
+
+
+def canonical(text: str, expected: bool = True) -> str:
+    """``text`` (a ``cond`` when ``expected``, an ``unless`` otherwise) as one stable word of
+    the toolkit's notation, how a guard mutant's id names it: the conditions ``shown`` draws,
+    joined by ``,`` (``cond="has_job and not  toner_empty"`` -> ``has_job,!toner_empty``), so
+    the id does not change with the spacing or the spelling of the text (``not``/``!``,
+    ``and``/``^``, redundant parentheses); an ``unless`` is ``!name`` or ``!(...)`` round the
+    ``cond`` it would be (``unless="a or b"`` -> ``!(a or b)``), and a ``cond`` whose word
+    starts with ``!`` is parenthesized (``(!motor_hot)``), so the two never read alike. Text
+    that is no expression over names (a comparison, a call) is Python's own unparsing of it
+    (``load>3`` -> ``load > 3``)."""
+    if text.isidentifier():
+        word = text
+    elif _parses(text):
+        word = ",".join(shown(text))
+    else:
+        word = _unparsed(text)
+    if not expected:
+        return f"!{word}" if word.isidentifier() else f"!({word})"
+    return f"({word})" if word.startswith("!") else word
+
+
+def _parses(text: str) -> bool:
+    try:
+        _parse(text)
+    except UnsettableGuard:
+        return False
+    return True
+
+
+def _unparsed(text: str) -> str:
+    """``text`` as Python unparses it (python-statemachine's operators replaced), or as
+    written when it is no Python expression."""
+    try:
+        return ast.unparse(ast.parse(replace_operators(text), mode="eval").body)
+    except (SyntaxError, ValueError):
+        return text.strip()
+
+
+def callable_name(func: object) -> str:
+    """How every tool names a guard declared as a callable (``cond=coin_ok``, ``cond=lambda
+    ...``): drawn on its edge, in a guard mutant's id, in a refusal. A function by its name
+    (``coin_ok``); a lambda by its source text as Python unparses it (``lambda order:
+    order.total > 100``: python-statemachine names every lambda ``<lambda>``, which tells a
+    reviewer nothing and two lambdas apart by nothing); a lambda whose source ``inspect``
+    cannot read (made by ``exec``) by where it was made, ``lambda at <string>:3``; any other
+    callable object by its type's name. Never an address: the name is the same in every
+    process."""
+    name = getattr(func, "__name__", None)
+    if isinstance(name, str) and name and name != "<lambda>":
+        return name
+    code = getattr(func, "__code__", None)
+    if name == "<lambda>" and code is not None:
+        return _lambda_text(code) or (
+            f"lambda at {os.path.basename(code.co_filename)}:{code.co_firstlineno}")
+    return type(func).__name__
+
+
+@functools.lru_cache(maxsize=1024)
+def _lambda_text(code: object) -> str | None:
+    """The source of the lambda whose code object is ``code``, unparsed, or None when its
+    file cannot be read or holds no single lambda the code's positions point into."""
+    filename = getattr(code, "co_filename", "")
+    first = getattr(code, "co_firstlineno", 0)
+    tree = _module_tree(filename)
+    if tree is None:
+        return None
+    found = [node for node in ast.walk(tree)
+             if isinstance(node, ast.Lambda) and node.lineno == first]
+    if len(found) > 1:  # several lambdas on one line: the one whose body holds the code's
+        # (an instruction of no span, the code's RESUME at column 0, points at no lambda)
+        positions = [(line, col) for line, end, col, end_col in code.co_positions()  # type: ignore[attr-defined]
+                     if None not in (line, end, col, end_col) and (line, col) != (end, end_col)]
+        found = [node for node in found if positions and all(
+            (node.body.lineno, node.body.col_offset) <= position
+            <= (node.body.end_lineno or node.body.lineno, node.body.end_col_offset or 0)
+            for position in positions)]
+    return ast.unparse(found[0]) if len(found) == 1 else None
+
+
+def _module_tree(filename: str) -> ast.Module | None:
+    """The syntax tree of ``filename``'s source as ``linecache`` reads it now (a file
+    rewritten since it was cached is read again), or None."""
+    linecache.checkcache(filename)
+    lines = linecache.getlines(filename)
+    return _parsed_module("".join(lines)) if lines else None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_module(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None

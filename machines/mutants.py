@@ -50,6 +50,7 @@ from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
 from calexec.machines.chart_support import refuse_unsupported
+from calexec.machines.guard_expr import callable_name, canonical
 
 ENV = "CALEXEC_CHART_MUTANT"
 ACK_ENV = "CALEXEC_CHART_MUTANT_ACK"
@@ -60,13 +61,15 @@ KINDS = ("guard-true", "guard-false", "drop", "target")
 class Mutant:
     """One mutant of one chart. ``id`` is ``<kind>:<transition>[:<detail>]``, where
     ``transition`` is ``Source-event->Target`` (``#n`` for the n-th duplicate) and ``detail``
-    the guard or the new target. A guard's detail reads one way only (``guard_detail``):
+    the guard or the new target. A guard's detail reads one way only (``guard_detail``): an
+    expression in the diagrams' notation (``has_job,!toner_empty``), a lambda by its source;
     ``!`` leads an ``unless`` alone (``!fused``, ``!(a or b)``), a ``cond`` expression that
     starts with ``!`` is parenthesized (``(!motor_hot)``), a second guard of one transition
-    with the same detail gets ``#2``. ``aliases``: the id the mutant had until stop 61
-    (python-statemachine's text of the guard, ``!a or b`` for ``unless="a or b"``), still
-    taken by ``apply``, ``--mutant`` and the ``--equivalent`` list when it names no other
-    mutant."""
+    with the same detail gets ``#2``. ``aliases``: the ids the mutant had before, until stop
+    63 (the guard's text as written, ``has_job and not  toner_empty``, ``<lambda>``) and
+    until stop 61 (python-statemachine's text of the guard, ``!a or b`` for ``unless="a or
+    b"``), still taken by ``apply``, ``--mutant`` and the ``--equivalent`` list when they
+    name no other mutant."""
 
     id: str
     kind: str
@@ -123,7 +126,7 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
             for spec, detail, legacy in zip(specs, details, _legacy(specs, details)):
                 for value in (True, False):
                     kind = f"guard-{str(value).lower()}"
-                    aliases = (f"{kind}:{label}:{legacy}",) if legacy else ()
+                    aliases = tuple(f"{kind}:{label}:{word}" for word in legacy)
                     yield (Mutant(f"{kind}:{label}:{detail}", kind, label, detail, aliases),
                            _force(transition, spec, value))
             yield Mutant(f"drop:{label}", "drop", label), _drop(state, transition)
@@ -137,39 +140,64 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
 
 
 def guard_detail(spec: CallbackSpec) -> str:
-    """How a guard mutant's id names ``spec``, one way to read it: a ``cond`` as written
-    (``(...)`` round one that starts with ``!``, which would read as an ``unless``), an
-    ``unless`` as ``!name``, or ``!(...)`` round an expression (``!a or b`` reads as ``(not
-    a) or b``)."""
+    """How a guard mutant's id names ``spec``, one stable word of the toolkit's notation
+    (``guard_expr.canonical``): a name as written; an expression as diagrams draw it, its
+    conditions joined by ``,`` (``cond="has_job and not  toner_empty"`` ->
+    ``has_job,!toner_empty``, whatever its spacing or spelling); a callable by
+    ``guard_expr.callable_name`` (a lambda by its source text, never ``<lambda>``). ``!``
+    leads an ``unless`` alone (``!fused``, ``!(a or b)``); a ``cond`` whose word starts with
+    ``!`` is parenthesized (``(!motor_hot)``), which would read as an ``unless``."""
+    expected = spec.expected_value is not False
+    if isinstance(spec.func, str):
+        return canonical(spec.func, expected)
+    text = callable_name(spec.func)
+    if expected:
+        return f"({text})" if text.startswith("!") else text
+    return f"!{text}" if text.isidentifier() else f"!({text})"
+
+
+def _raw_detail(spec: CallbackSpec) -> str:
+    """A guard's detail from stop 61 to stop 63: python-statemachine's text of it as written
+    (an expression's spacing included, every lambda ``<lambda>``)."""
     text = str(spec.attr_name)
     if spec.expected_value is False:
         return f"!{text}" if text.isidentifier() else f"!({text})"
     return f"({text})" if text.lstrip().startswith("!") else text
 
 
+def _numbered(words: list[str]) -> list[str]:
+    """``#n`` on the n-th of one word (``cond=["a", "a"]``), so that each is an id of its own."""
+    seen: dict[str, int] = {}
+    numbered = []
+    for word in words:
+        seen[word] = seen.get(word, 0) + 1
+        numbered.append(word if seen[word] == 1 else f"{word}#{seen[word]}")
+    return numbered
+
+
 def _guard_details(specs: list[CallbackSpec]) -> list[str]:
     """``guard_detail`` of each of one transition's guards, ``#n`` on the n-th of one detail
     (``cond=["a", "a"]``), so that each mutant has an id of its own."""
-    seen: dict[str, int] = {}
-    details = []
-    for spec in specs:
-        detail = guard_detail(spec)
-        seen[detail] = seen.get(detail, 0) + 1
-        details.append(detail if seen[detail] == 1 else f"{detail}#{seen[detail]}")
-    return details
+    return _numbered([guard_detail(spec) for spec in specs])
 
 
-def _legacy(specs: list[CallbackSpec], details: list[str]) -> list[str]:
-    """The detail each guard's id had until stop 61 (``str(spec)``) where it differs from
-    today's and still names this guard alone: the first of that text (the one ``apply``
-    took), and no other guard's detail now."""
+def _legacy(specs: list[CallbackSpec], details: list[str]) -> list[tuple[str, ...]]:
+    """The details each guard's id had before where they differ from today's and still name
+    this guard alone: until stop 63 the guard's text as written (``_raw_detail``), until stop
+    61 python-statemachine's ``str(spec)`` (the first of one text: the one ``apply`` took), and
+    no other guard's detail now."""
     taken = set(details)
-    found, legacy = set(), []
-    for spec, detail in zip(specs, details):
+    raw = _numbered([_raw_detail(spec) for spec in specs])
+    found: set[str] = set()
+    legacy = []
+    for spec, detail, before in zip(specs, details, raw):
         old = str(spec)
-        keep = old != detail and old not in taken and old not in found
-        found.add(old)
-        legacy.append(old if keep else "")
+        words = []
+        for word in (before, old):
+            if word != detail and word not in taken and word not in found and word not in words:
+                words.append(word)
+        found.update((before, old))
+        legacy.append(tuple(words))
     return legacy
 
 

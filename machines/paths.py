@@ -74,7 +74,13 @@ from calexec.machines.compiled import (
     Transition,
     compiled,
 )
-from calexec.machines.guard_expr import Alternative, UnsettableGuard, alternatives, names
+from calexec.machines.guard_expr import (
+    Alternative,
+    UnsettableGuard,
+    alternatives,
+    callable_name,
+    names,
+)
 from calexec.machines.statechart_run import StatechartRun
 
 #: bound on the configurations explored for a hierarchical chart
@@ -266,7 +272,7 @@ def _unsettable(chart: CompiledChart) -> None:
                 continue  # a constant guard of chart mutation testing: folded at compile
             where = f"on transition {_describe(record)}"
             if not isinstance(spec.func, str):
-                name = str(getattr(spec.func, "__name__", spec.func))
+                name = callable_name(spec.func)
                 named = name if name.isidentifier() else "a_name"
                 raise ValueError(
                     f"{chart.name}: guard {name!r} (a callable) {where}: a path cannot set it "

@@ -1,0 +1,151 @@
+"""Stop 64, a newcomer's own charts through the toolkit: a lambda guard drawn and named by its
+source text (it was ``<lambda>``), a guard mutant's id in the diagrams' notation (it was the
+guard's text as written)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from calexec.cli import main as cli
+from calexec.machines.diagrams import render_chart_dot
+from calexec.machines.mutants import apply, derive
+
+
+def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+            stem: str = "loans") -> ModuleType:
+    """``source`` as a module of a name of its own (the import is cached), the commands run
+    from its directory."""
+    name = f"{stem}_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
+LOANS = '''
+from statemachine import State, StateMachine
+
+
+class LoanApproval(StateMachine):
+    applied = State(initial=True)
+    screening = State()
+    approved = State(final=True)
+    rejected = State(final=True)
+
+    screen = applied.to(screening, cond=lambda: True)
+    decide = (
+        screening.to(approved, cond="identity_verified and not  on_blacklist",
+                     unless=lambda model: model.amount > 20000)
+        | screening.to(approved, cond=lambda model: model.score >= 650, unless=lambda: False)
+        | screening.to(rejected)
+    )
+'''
+
+
+def test_a_lambda_guard_is_drawn_by_its_source_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found at stop 64: every lambda guard was drawn ``[<lambda>]`` (python-statemachine's
+    name for any lambda), so a reviewer read nothing of the rule and two lambdas of one
+    transition alike; a lambda changed in the chart left ``charts draw --check`` passing. Each
+    is now drawn by its source text, two on one line told apart."""
+    chart = _module(tmp_path, monkeypatch, LOANS).LoanApproval
+    dot = render_chart_dot(chart)
+    assert "<lambda>" not in dot, dot
+    assert 'label="Screen [lambda: True]' in dot, dot
+    assert ("Decide #1 [identity_verified, !on_blacklist, !(lambda model: model.amount > "
+            "20000)]") in dot, dot
+    assert "Decide #2 [lambda model: model.score >= 650, !(lambda: False)]" in dot, dot
+
+
+def test_a_changed_lambda_makes_the_drawing_stale(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts draw --check`` sees a lambda's rule change (until stop 64 both were
+    ``<lambda>``: the committed diagram stayed "up to date")."""
+    module = _module(tmp_path, monkeypatch, LOANS)
+    ref = f"{module.__name__}:LoanApproval"
+    assert cli(["charts", "draw", ref]) == 0
+    path = tmp_path / f"{module.__name__}.py"
+    path.write_text(LOANS.replace("20000", "25000"), encoding="utf-8")
+    sys.modules.pop(module.__name__)
+    capsys.readouterr()
+    assert cli(["charts", "draw", ref, "--check"]) == 1
+    assert "stale: diagrams/LoanApproval.dot: differs from the declared chart" in \
+        capsys.readouterr().err
+
+
+def test_a_lambda_without_source_is_named_by_where_it_was_made() -> None:
+    """A lambda ``inspect`` cannot read (a chart made by ``exec``) is named by its file and
+    line, the same in every process, never an address."""
+    namespace: dict[str, object] = {}
+    exec(compile("from statemachine import State, StateMachine\n"  # noqa: S102
+                 "class Made(StateMachine):\n"
+                 "    a = State(initial=True)\n"
+                 "    b = State(final=True)\n"
+                 "    go = a.to(b, cond=lambda: True)\n", "<made>", "exec"), namespace)
+    chart = namespace["Made"]
+    assert "Go [lambda at <made>:5]" in render_chart_dot(chart)  # type: ignore[arg-type]
+    assert [m.id for m in derive(chart)][:2] == [  # type: ignore[arg-type]
+        "guard-true:a-go->b:lambda at <made>:5", "guard-false:a-go->b:lambda at <made>:5"]
+
+
+def test_a_guard_mutant_id_is_the_guard_in_the_diagrams_notation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found at stop 64: a guard mutant's id held the guard's text as written,
+    ``guard-true:screening-decide->approved:identity_verified and not  on_blacklist`` (its
+    spacing, its spelling: an id in an ``--equivalent`` list broke when the text was
+    reformatted) and every lambda ``<lambda>`` (two on one transition ``<lambda>`` and
+    ``<lambda>#2``). The id now names the guard as the diagram draws it."""
+    chart = _module(tmp_path, monkeypatch, LOANS).LoanApproval
+    ids = [m.id for m in derive(chart) if m.kind == "guard-true"]
+    assert ids == [
+        "guard-true:applied-screen->screening:lambda: True",
+        "guard-true:screening-decide->approved:identity_verified,!on_blacklist",
+        "guard-true:screening-decide->approved:!(lambda model: model.amount > 20000)",
+        "guard-true:screening-decide->approved#2:lambda model: model.score >= 650",
+        "guard-true:screening-decide->approved#2:!(lambda: False)",
+    ], ids
+    every = [m.id for m in derive(chart, 0)]
+    assert len(every) == len(set(every)), every
+
+
+@pytest.mark.parametrize("text", [
+    "identity_verified and not on_blacklist", "identity_verified and !on_blacklist",
+    "(identity_verified) and not (on_blacklist)", "identity_verified ^ !on_blacklist",
+])
+def test_a_guard_mutant_id_does_not_change_with_the_spelling_of_the_guard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str) -> None:
+    chart = _module(tmp_path, monkeypatch, LOANS.replace(
+        "identity_verified and not  on_blacklist", text)).LoanApproval
+    assert "guard-false:screening-decide->approved:identity_verified,!on_blacklist" in {
+        m.id for m in derive(chart)}
+
+
+def test_a_mutant_id_of_before_stop_64_is_still_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The ids of before (the text as written, ``<lambda>``) still name their mutant in
+    ``apply``, ``--mutant`` and an ``--equivalent`` list, the report saying today's id."""
+    module = _module(tmp_path, monkeypatch, LOANS)
+    old = "guard-true:screening-decide->approved:identity_verified and not  on_blacklist"
+    new = "guard-true:screening-decide->approved:identity_verified,!on_blacklist"
+    (tmp_path / "equivalent.toml").write_text(
+        f'[[mutant]]\nchart = "LoanApproval"\nid = "{old}"\nreason = "no test decides"\n',
+        encoding="utf-8")
+    code = cli(["charts", "mutate", "--chart", f"{module.__name__}:LoanApproval", "--mutant",
+                old, "--equivalent", "equivalent.toml", "--json", "--jobs", "1",
+                "--test-cmd", f"{sys.executable} -c 'import {module.__name__}'"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert [(m["id"], m["status"]) for m in report["mutants"]] == [(new, "equivalent")], report
+    assert apply(module.LoanApproval, old).id == new
+    assert apply(_module(tmp_path, monkeypatch, LOANS, stem="again").LoanApproval,
+                 "guard-false:screening-decide->approved#2:!<lambda>").id == \
+        "guard-false:screening-decide->approved#2:!(lambda: False)"
