@@ -636,7 +636,10 @@ def _graph(chart: CompiledChart) -> _Graph:
         return known[1]
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
-    raised = {f"done.state.{state}" for state in chart.states}
+    # python-statemachine raises ``done.state.<id>`` itself, only for a state ``<id>`` of the
+    # chart: a step never sends one, also one whose ``<id>`` names no state (a typo,
+    # ``done_state_compilng``), which no run takes (``_never_raised`` names it)
+    raised = {t.event for t in chart.transitions if t.event.startswith("done.state.")}
     inner = _macrostep_outcomes(chart)
     no_steps: tuple[_Edge, ...] = ()
     runs: dict[_Node, tuple[StatechartRun, int, tuple[_Edge, ...]]] = {}
@@ -847,15 +850,29 @@ def _walk(edges: tuple[_Edge, ...], end: str, start: _Start | None = None) -> Wa
 
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
     """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
-    transitions no reachable configuration takes (their state never completes), or ``""``."""
+    transitions no reachable configuration takes (their state never completes, or is no
+    state of the chart: a typo, named with the state it resembles), or ``""``."""
     first = _from_starts(graph)
     events = list(dict.fromkeys(t.event for t in chart.transitions
                                 if t.id not in first and t.event.startswith("done.state.")))
     if not events:
         return ""
-    states = ", ".join(e.removeprefix("done.state.") for e in events)
-    return (f" ({', '.join(events)}: raised only when {states} reaches a final child state, "
-            f"in every region of a parallel state; no path does)")
+    known = [e for e in events if e.removeprefix("done.state.") in chart.states]
+    reasons = []
+    if known:
+        states = ", ".join(e.removeprefix("done.state.") for e in known)
+        reasons.append(f"{', '.join(known)}: raised only when {states} reaches a final child "
+                       f"state, in every region of a parallel state; no path does")
+    for event in (e for e in events if e not in known):
+        name = event.removeprefix("done.state.")
+        close = difflib.get_close_matches(name, chart.states, n=1)
+        reasons.append(
+            f"{event}: {chart.name} has no state {name!r}"
+            f"{f' (did you mean {close[0]!r}?)' if close else ''}, and python-statemachine "
+            f"raises done.state.<id> only for a compound or parallel state <id> of the chart "
+            f"as it completes: no run takes it (name the state: "
+            f"done_state_{(close[0] if close else '<id>').replace('.', '_')})")
+    return f" ({'; '.join(reasons)})"
 
 
 def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:

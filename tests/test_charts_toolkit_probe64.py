@@ -1,6 +1,7 @@
 """Stop 64, a newcomer's own charts through the toolkit: a lambda guard drawn and named by its
 source text (it was ``<lambda>``), a guard mutant's id in the diagrams' notation (it was the
-guard's text as written)."""
+guard's text as written), a ``done_state_<typo>`` transition named by ``charts paths`` (it was
+offered as an event a test sends)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from calexec.cli import main as cli
 from calexec.machines.diagrams import render_chart_dot
 from calexec.machines.mutants import apply, derive
+from calexec.machines.paths import as_data
 
 
 def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
@@ -149,3 +151,42 @@ def test_a_mutant_id_of_before_stop_64_is_still_taken(
     assert apply(_module(tmp_path, monkeypatch, LOANS, stem="again").LoanApproval,
                  "guard-false:screening-decide->approved#2:!<lambda>").id == \
         "guard-false:screening-decide->approved#2:!(lambda: False)"
+
+
+BUILD = '''
+from statemachine import State, StateChart
+
+
+class Build(StateChart):
+    idle = State(initial=True)
+
+    class compiling(State.Compound):
+        parsing = State(initial=True)
+        linked = State(final=True)
+        link = parsing.to(linked)
+
+    released = State(final=True)
+    start = idle.to(compiling)
+    done_state_compilng = compiling.to(released)
+'''
+
+
+def test_paths_name_a_done_state_event_of_no_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found at stop 64: ``done_state_compilng = compiling.to(released)`` (a typo of
+    ``compiling``) is never raised, so no run leaves ``compiling`` for ``released``; ``charts
+    paths`` offered ``start done.state.compilng`` (a test sending the event itself), exit 0,
+    and the tour test built on it passed. It is now a declaration bug, named with the state
+    meant, exit 2."""
+    module = _module(tmp_path, monkeypatch, BUILD, stem="build")
+    assert cli(["charts", "paths", f"{module.__name__}:Build"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert ("Build: state(s) released never entered from idle (done.state.compilng: Build has "
+            "no state 'compilng' (did you mean 'compiling'?)") in lines[0], lines[0]
+    assert "name the state: done_state_compiling" in lines[0], lines[0]
+    fixed = _module(tmp_path, monkeypatch, BUILD.replace("compilng", "compiling"),
+                    stem="fixed")
+    assert as_data(fixed.Build)["ends"]["tour"] == ["released"]
