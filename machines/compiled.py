@@ -29,6 +29,7 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import re
 import threading
@@ -562,7 +563,7 @@ class EventDataRun(ChartRun):
         if not callable(guard):
             if guard is None:
                 raise AttributeError(f"{where}: the model, {type(self.model).__name__}, has no "
-                                     f"attribute {name!r}")
+                                     f"attribute {name!r}{_missing_guard(self.model, name)}")
             raise TypeError(f"{where}: model.{name} is {type(guard).__name__} {guard!r}, not "
                             f"a method")
         try:
@@ -641,6 +642,17 @@ def _answers_by_value(cls: type, name: str) -> bool:
     return not callable(found)
 
 
+def _missing_guard(model: object, name: str) -> str:
+    """What to do about guard ``name`` that ``model`` does not answer: the name it has that
+    ``name`` resembles (a typo, ``has_cerdit`` for ``has_credit``), and either fix."""
+    close = difflib.get_close_matches(
+        name, [n for n in dir(model) if not n.startswith("__")], n=1)
+    meant = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{meant} (a python-statemachine instance refuses this model as it is made, "
+            f"InvalidDefinition: give {type(model).__name__} a method {name}, or correct the "
+            f"guard's name in the chart)")
+
+
 def _data_text(args: tuple[object, ...], data: dict[str, object]) -> str:
     shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in data.items()]
     return ", ".join(shown)[:120]
@@ -664,7 +676,8 @@ def _select_error(run: ChartRun, event: str, name: str | None, err: Exception) -
     guard = getattr(model, name, None)
     if guard is None and isinstance(err, AttributeError):
         return AttributeError(f"{where}: the model, {type(model).__name__}, has no attribute "
-                              f"{name!r} (the flat run calls model.{name}() with no argument)")
+                              f"{name!r} (the flat run calls model.{name}() with no argument)"
+                              f"{_missing_guard(model, name)}")
     if isinstance(err, TypeError) and callable(guard):
         try:
             inspect.signature(guard).bind()

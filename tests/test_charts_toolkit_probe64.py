@@ -1,7 +1,8 @@
 """Stop 64, a newcomer's own charts through the toolkit: a lambda guard drawn and named by its
 source text (it was ``<lambda>``), a guard mutant's id in the diagrams' notation (it was the
 guard's text as written), a ``done_state_<typo>`` transition named by ``charts paths`` (it was
-offered as an event a test sends)."""
+offered as an event a test sends), a guard name the model does not answer said nothing of
+what to do."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from statemachine import State
 
 from calexec.cli import main as cli
+from calexec.machines.compiled import compiled
 from calexec.machines.diagrams import render_chart_dot
 from calexec.machines.mutants import apply, derive
 from calexec.machines.paths import as_data
@@ -190,3 +193,35 @@ def test_paths_name_a_done_state_event_of_no_state(
     fixed = _module(tmp_path, monkeypatch, BUILD.replace("compilng", "compiling"),
                     stem="fixed")
     assert as_data(fixed.Build)["ends"]["tour"] == ["released"]
+
+
+def test_a_guard_name_the_model_does_not_answer_says_the_name_meant() -> None:
+    """Found at stop 64: a guard's name mistyped in the chart (``cond="has_cerdit"``, the
+    model answering ``has_credit``) was, from the flat run's ``send``, ``the model, Machine,
+    has no attribute 'has_cerdit'``: the chart, event, state and guard, but nothing of what
+    to do (a python-statemachine instance refuses that model as it is made). It now names
+    the model's name it resembles and both fixes."""
+    from statemachine import StateMachine
+
+    class Vending(StateMachine):
+        idle = State(initial=True)
+        vending = State()
+        select = idle.to(vending, cond="has_cerdit")
+        done = vending.to(idle)
+
+    class Machine:
+        def has_credit(self) -> bool:
+            return True
+
+    run = compiled(Vending).run(Machine())
+    for attempt in (lambda: run.send("select"), lambda: run.send("select", 1),
+                    lambda: run.can("select")):
+        with pytest.raises(AttributeError) as raised:
+            attempt()
+        text = str(raised.value)
+        assert text.startswith("Vending: event 'select' "), text
+        assert ("guard 'has_cerdit': the model, Machine, has no attribute 'has_cerdit'") in text
+        assert text.endswith("; did you mean 'has_credit'? (a python-statemachine instance "
+                             "refuses this model as it is made, InvalidDefinition: give Machine "
+                             "a method has_cerdit, or correct the guard's name in the chart)"), text
+    assert run.state == "idle"
