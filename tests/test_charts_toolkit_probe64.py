@@ -2,7 +2,9 @@
 source text (it was ``<lambda>``), a guard mutant's id in the diagrams' notation (it was the
 guard's text as written), a ``done_state_<typo>`` transition named by ``charts paths`` (it was
 offered as an event a test sends), a guard name the model does not answer said nothing of
-what to do."""
+what to do; and a differential test of two charts of shapes a team writes (a guarded
+``done.state`` leaving a compound that a shallow history restores; an eventless retry loop
+whose action changes the model)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from statemachine import State
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from statemachine import HistoryState, State, StateChart
+from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.cli import main as cli
-from calexec.machines.compiled import compiled
+from calexec.machines.compiled import ChartTransitionError, compiled
 from calexec.machines.diagrams import render_chart_dot
 from calexec.machines.mutants import apply, derive
 from calexec.machines.paths import as_data
@@ -225,3 +230,139 @@ def test_a_guard_name_the_model_does_not_answer_says_the_name_meant() -> None:
                              "refuses this model as it is made, InvalidDefinition: give Machine "
                              "a method has_cerdit, or correct the guard's name in the chart)"), text
     assert run.state == "idle"
+
+
+# --- a differential test of two charts a team writes -----------------------------------
+
+
+class Order:
+    def __init__(self) -> None:
+        self.items, self.paid, self.stock, self.fraud = 1, True, True, False
+        self.log: list[str] = []
+
+    def has_items(self) -> bool:
+        return self.items > 0
+
+    def payment_ok(self) -> bool:
+        return self.paid
+
+    def in_stock(self) -> bool:
+        return self.stock
+
+    def is_fraud(self) -> bool:
+        return self.fraud
+
+
+class Fulfilment(StateChart):
+    """A guarded ``done.state`` leaves a compound whose shallow history a ``resume`` restores;
+    a refused payment goes back inside the nested compound."""
+
+    draft = State(initial=True)
+
+    class processing(State.Compound):
+        class checkout(State.Compound):
+            reviewing = State(initial=True)
+            charging = State()
+            charged = State(final=True)
+            confirm = reviewing.to(charging)
+            charge = (charging.to(charged, cond="payment_ok")
+                      | charging.to(reviewing, unless="payment_ok"))
+        picking = State()
+        packing = State()
+        h = HistoryState()
+        done_state_checkout = checkout.to(picking, cond="in_stock")
+        pack = picking.to(packing)
+
+    on_hold = State()
+    shipped = State(final=True)
+    cancelled = State(final=True)
+
+    submit = draft.to(processing, cond="has_items")
+    hold = processing.to(on_hold)
+    resume = on_hold.to(processing.h)
+    ship = processing.to(shipped, cond="in_stock and not is_fraud")
+    cancel = draft.to(cancelled) | processing.to(cancelled) | on_hold.to(cancelled)
+
+    def on_enter_packing(self) -> None:
+        self.model.log.append("packing")
+
+
+class Batch:
+    def __init__(self) -> None:
+        self.retries, self.stock, self.paid, self.items, self.fraud = 0, True, True, 1, False
+        self.log: list[str] = []
+
+    def healthy(self) -> bool:
+        return self.paid
+
+    def can_retry(self) -> bool:
+        return self.retries < 3
+
+
+class BatchJob(StateChart):
+    """Eventless transitions out of a state a ``done.state`` enters, and an eventless retry
+    loop whose entry action changes what its guard reads."""
+
+    queued = State(initial=True)
+
+    class running(State.Compound):
+        fetching = State(initial=True)
+        computing = State()
+        finished = State(final=True)
+        fetched = fetching.to(computing)
+        computed = computing.to(finished)
+
+    checking = State()
+    succeeded = State(final=True)
+    failed = State(final=True)
+    retrying = State()
+
+    start = queued.to(running)
+    done_state_running = running.to(checking)
+    checking.to(succeeded, cond="healthy")
+    checking.to(retrying, unless="healthy")
+    retrying.to(running, cond="can_retry")
+    retrying.to(failed, unless="can_retry")
+    crash = running.to(retrying)
+
+    def on_enter_retrying(self) -> None:
+        self.model.retries += 1
+        self.model.log.append(f"retry {self.model.retries}")
+
+
+def _outcome(machine: object, event: str) -> str:
+    """How ``machine`` (an instance or a compiled run) answers ``event``."""
+    try:
+        machine.send(event)  # type: ignore[attr-defined]
+    except (TransitionNotAllowed, ChartTransitionError):
+        return "refused"
+    return "taken"
+
+
+_STEP = st.tuples(st.sampled_from(["submit", "confirm", "charge", "pack", "hold", "resume",
+                                   "ship", "cancel", "start", "fetched", "computed", "crash"]),
+                  st.booleans(), st.booleans(), st.booleans(), st.booleans())
+
+
+@pytest.mark.parametrize(("chart", "model"), [(Fulfilment, Order), (BatchJob, Batch)])
+def test_the_compiled_run_equals_python_statemachine_on_a_teams_charts(
+        chart: type[StateChart], model: type) -> None:
+    """Random events, and the model's answers changed between them, sent to an instance and
+    to the compiled run: the same configuration, refusals and model after every event."""
+
+    @settings(max_examples=80, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(_STEP, max_size=20))
+    def check(steps: list[tuple[str, bool, bool, bool, bool]]) -> None:
+        ours, theirs = model(), model()
+        run = compiled(chart).run(ours)  # (first: the instance writes its state into a model)
+        machine = chart(theirs)
+        for event, paid, stock, fraud, empty in steps:
+            for one in (ours, theirs):
+                one.paid, one.stock, one.fraud, one.items = paid, stock, fraud, int(not empty)
+            assert _outcome(run, event) == _outcome(machine, event), (event, steps)
+            assert list(run.configuration) == [s.id for s in machine.configuration], steps
+            assert (ours.log, getattr(ours, "retries", 0)) == (
+                theirs.log, getattr(theirs, "retries", 0)), steps
+
+    check()
