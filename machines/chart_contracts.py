@@ -152,7 +152,7 @@ class ContractChecker:
     python-statemachine instance. Reports each violation to its monitors."""
 
     def __init__(self, chart: CompiledChart, contracts: Iterable[Contract]) -> None:
-        from calexec.machines.compiled import dotted_event
+        from calexec.machines.chart_support import dotted_event
 
         self.chart = chart
         self.monitors: tuple[ContractMonitor, ...] = ()

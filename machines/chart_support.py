@@ -454,6 +454,18 @@ def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:
     return isinstance(spec.func, str) and callable(getattr(declaration, spec.func, None))
 
 
+def dotted_event(event: str) -> str:
+    """The SCXML name python-statemachine also registers for ``done_state_x``,
+    ``done_invoke_x`` and ``error_x`` (itself for any other name): the event a transition
+    declared as ``done_state_x`` is taken on, and its record's ``event``."""
+    for prefix in ("done_state_", "done_invoke_"):
+        if event.startswith(prefix):
+            return f"{prefix[:-1].replace('_', '.')}.{event[len(prefix):]}"
+    if event.startswith("error_"):
+        return event.replace("_", ".")
+    return event
+
+
 def _name(func: Any) -> str:
     """A callback as its chart declared it: a name as written, a callable by
     ``guard_expr.callable_name`` (a lambda by its source text, never ``<lambda>``)."""

@@ -62,6 +62,7 @@ from calexec.machines.chart_support import (
     actions,
     async_only,
     describe_transition,
+    dotted_event,
     hierarchical,
     refuse_unsupported,
     semantics,
@@ -757,18 +758,6 @@ def _selecting(transitions: Iterable[Transition], declared: tuple[Any, ...], sou
         if origin.match(event):
             found[id(origin)] = record
     return tuple(found.values())
-
-
-def dotted_event(event: str) -> str:
-    """The SCXML name python-statemachine also registers for ``done_state_x``,
-    ``done_invoke_x`` and ``error_x`` (itself for any other name): the event a transition
-    declared as ``done_state_x`` is taken on, and its record's ``event``."""
-    for prefix in ("done_state_", "done_invoke_"):
-        if event.startswith(prefix):
-            return f"{prefix[:-1].replace('_', '.')}.{event[len(prefix):]}"
-    if event.startswith("error_"):
-        return event.replace("_", ".")
-    return event
 
 
 #: what every toolkit function takes as a chart: the declared class, or its compiled form
