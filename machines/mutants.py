@@ -49,7 +49,7 @@ import attrs
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
-from calexec.machines.chart_support import refuse_unsupported
+from calexec.machines.chart_support import dotted_event, refuse_unsupported
 from calexec.machines.guard_expr import callable_name, canonical
 
 ENV = "CALEXEC_CHART_MUTANT"
@@ -60,7 +60,8 @@ KINDS = ("guard-true", "guard-false", "drop", "target")
 @attrs.frozen
 class Mutant:
     """One mutant of one chart. ``id`` is ``<kind>:<transition>[:<detail>]``, where
-    ``transition`` is ``Source-event->Target`` (``#n`` for the n-th duplicate) and ``detail``
+    ``transition`` is ``Source-event->Target`` (``#n`` for the n-th duplicate; a
+    ``done_state_x`` transition by its event ``done.state.x`` alone) and ``detail``
     the guard or the new target. A guard's detail reads one way only (``guard_detail``): an
     expression in the diagrams' notation (``has_job,!toner_empty``), a lambda by its source;
     ``!`` leads an ``unless`` alone (``!fused``, ``!(a or b)``), a ``cond`` expression that
@@ -108,6 +109,7 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
     then the drop, then the target mutants."""
     states = _states(declaration)
     seen: dict[str, int] = {}
+    seen_before: dict[str, int] = {}
     # each state's transitions, then (after every state's) each history state's default
     # (``h.to(c)``), as ``compiled.compile_chart`` lists them
     owners = [*states, *(h for state in states for h in getattr(state, "history", ()) or ())]
@@ -115,27 +117,39 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
         for transition in list(state.transitions):
             if transition.initial:
                 continue
-            events = "+".join(str(e) for e in transition.events)  # no "|": ids go in tables
+            names = [str(e) for e in transition.events]
+            # ``done_state_x`` also declares ``done.state.x`` (python-statemachine registers
+            # both, as for ``error_x``): one event, the one it raises, as coverage names it
+            # (until stop 64 both, ``checkout-done_state_checkout+done.state.checkout->...``)
+            events = "+".join(e for e in names if dotted_event(e) == e or dotted_event(e)
+                              not in names)  # no "|": ids go in tables
             target = transition.target.id if transition.target is not None else "(none)"
             base = f"{state.id}-{events}->{target}"
             seen[base] = seen.get(base, 0) + 1
             label = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            before = f"{state.id}-{'+'.join(names)}->{target}"
+            seen_before[before] = seen_before.get(before, 0) + 1
+            old = before if seen_before[before] == 1 else f"{before}#{seen_before[before]}"
+            labels = (label,) if old == label else (label, old)  # (the label of before: aliases)
             # (a history's default has none: python-statemachine never asks its ``cond``)
             specs = [] if state.is_history else _guard_specs(transition)
             details = _guard_details(specs)
             for spec, detail, legacy in zip(specs, details, _legacy(specs, details)):
                 for value in (True, False):
                     kind = f"guard-{str(value).lower()}"
-                    aliases = tuple(f"{kind}:{label}:{word}" for word in legacy)
+                    aliases = tuple(f"{kind}:{one}:{word}" for one in labels
+                                    for word in (detail, *legacy))[1:]
                     yield (Mutant(f"{kind}:{label}:{detail}", kind, label, detail, aliases),
                            _force(transition, spec, value))
-            yield Mutant(f"drop:{label}", "drop", label), _drop(state, transition)
+            yield (Mutant(f"drop:{label}", "drop", label, aliases=tuple(
+                f"drop:{one}" for one in labels[1:])), _drop(state, transition))
             # a history's default enters a state of the history's compound (SCXML): only
             # those are its other targets, and never the history itself
             inside = ([s for s in states if s.is_descendant(state.parent)]
                       if state.is_history else states)
             for new in _other_targets(inside, transition, targets_per_transition):
-                yield (Mutant(f"target:{label}:{new.id}", "target", label, new.id),
+                yield (Mutant(f"target:{label}:{new.id}", "target", label, new.id, tuple(
+                    f"target:{one}:{new.id}" for one in labels[1:])),
                        _retarget(transition, new))
 
 
@@ -346,7 +360,7 @@ def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
                         "mutates it in place, and a CompiledChart made before would not see "
                         "the mutation")
     for mutant, action in _sites(declaration, 0):
-        # (an alias, an id of before stop 61, is no other mutant's id: ``_legacy``)
+        # (an alias, an id of before, is no other mutant's id: ``_legacy``, ``_sites``)
         if mutant_id == mutant.id or mutant_id in mutant.aliases:
             action()
             _MUTATED.add(declaration)

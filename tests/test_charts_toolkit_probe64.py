@@ -366,3 +366,41 @@ def test_the_compiled_run_equals_python_statemachine_on_a_teams_charts(
                 theirs.log, getattr(theirs, "retries", 0)), steps
 
     check()
+
+
+def test_a_done_state_mutant_is_labelled_by_the_event_python_statemachine_raises() -> None:
+    """Found at stop 64: the mutants of ``done_state_checkout = checkout.to(picking, ...)``
+    were labelled by both names python-statemachine registers,
+    ``checkout-done_state_checkout+done.state.checkout->picking``, where coverage and paths
+    name the transition ``checkout --done.state.checkout--> picking``; the label is now the
+    event raised, the id of before still taken."""
+    ids = [m.id for m in derive(Fulfilment) if m.transition.startswith("checkout-")]
+    assert ids == [
+        "guard-true:checkout-done.state.checkout->picking:in_stock",
+        "guard-false:checkout-done.state.checkout->picking:in_stock",
+        "drop:checkout-done.state.checkout->picking",
+        "target:checkout-done.state.checkout->picking:checkout",
+        "target:checkout-done.state.checkout->picking:packing",
+    ], ids
+    every = [m.id for m in derive(Fulfilment, 0)]
+    known = every + [alias for m in derive(Fulfilment, 0) for alias in m.aliases]
+    assert len(known) == len(set(known)), known
+
+    class Copy(StateChart):  # a class of its own to mutate in place
+        idle = State(initial=True)
+
+        class work(State.Compound):
+            busy = State(initial=True)
+            done = State(final=True)
+            finish = busy.to(done)
+
+        over = State(final=True)
+        start = idle.to(work)
+        done_state_work = work.to(over)
+
+    assert apply(Copy, "drop:work-done_state_work+done.state.work->over").id == \
+        "drop:work-done.state.work->over"
+    machine = Copy()
+    machine.send("start")
+    machine.send("finish")
+    assert "over" not in machine.configuration_values
