@@ -20,7 +20,8 @@ One mechanism for both reasons:
   within each) while the lifecycle is Ready and healthy, and refuses every waiter once the
   lifecycle is Failed/Stopped or the server drains (a drain refuses only requests not yet
   admitted: resumes and the later choices of an admitted request keep waiting). It runs when a sequence id is freed (the
-  pool's ``on_free`` hook, from any thread, through ``call_soon_threadsafe``) and from one
+  pool's ``on_free`` hook, from any thread, through ``call_soon_threadsafe``; ``call_soon`` on
+  the loop's own thread) and from one
   watcher task per queue while anyone waits: the executor has no public state-change event, so
   the watcher re-reads its lifecycle every ``lifecycle_poll_s`` (slices of 5 ms by default, 10
   times that while Ready, when frees wake the queue anyway).
@@ -40,6 +41,15 @@ import anyio
 import attrs
 
 from calexec.contracts.status import Phase, Status
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
 
 #: lifecycle states a request waits through (the §9.1 recovery and model switch path)
 WAITABLE = frozenset({"Draining", "Recovering", "Configuring", "Warming"})
@@ -202,12 +212,19 @@ class AdmissionQueue:
             queue.extend(kept)
 
     def wake_threadsafe(self) -> None:
-        """From any thread (a sequence id was freed): pump on the event loop."""
+        """From any thread (a sequence id was freed): pump on the event loop. On the loop's
+        own thread (a request's ``finish`` releasing its sequence, once per request) the pump
+        is queued with ``call_soon``: the same callback in the same place of the loop's
+        queue, without ``call_soon_threadsafe``'s write to the loop's self-pipe, which woke
+        the running loop once more for nothing (issue 28, stop 64)."""
         loop = self._loop
         if loop is None:
             return
         try:
-            loop.call_soon_threadsafe(self.pump)
+            if _running_loop() is loop:
+                loop.call_soon(self.pump)
+            else:
+                loop.call_soon_threadsafe(self.pump)
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
 
