@@ -136,6 +136,9 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
                        "section 9 lets a parser bound the nesting): the JSON is valid, send "
                        "{\"calbin\": PATH}"), None
     except ValueError as err:
+        overlong = wire.overlong_number(utf8)  # (Python's words, cut: "use sys.set_int_...")
+        if overlong is not None:
+            return invalid(overlong[0]), overlong[1]
         return invalid(f"body: not valid JSON ({str(err)[:120]}); send "
                        "{\"calbin\": PATH}"), None
     try:  # (Python's parser takes "\udcff"; the API's bodies are refused for it, as here)

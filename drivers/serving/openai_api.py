@@ -345,6 +345,10 @@ def parse(model: type[Body], raw: bytes) -> Body:
         surrogate = wire.lone_surrogate(raw) if first["type"] == "json_invalid" else None
         if surrogate is not None:  # (the parser's words named neither place nor escape)
             raise Refusal(invalid(surrogate[0]), surrogate[1]) from None
+        overlong = (wire.overlong_number(raw) if first["type"] == "json_invalid"
+                    and "number out of range" in first["msg"] else None)
+        if overlong is not None:  # (the parser's words blamed a syntax error, no field)
+            raise Refusal(invalid(overlong[0]), overlong[1]) from None
         if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
             # valid JSON nested past the parser's depth; its words, "Invalid JSON", blamed
             # the client for a syntax error it did not make

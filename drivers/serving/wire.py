@@ -275,6 +275,51 @@ def lone_surrogate(raw: bytes) -> tuple[str, str | None] | None:
     return None
 
 
+#: the most digits before its decimal point a JSON number may have for the servers' parsers:
+#: pydantic's (the API's bodies: "number out of range") and Python's ``json`` (``/admin/reload``:
+#: "Exceeds the limit (4300 digits) for integer string conversion") both stop at 4300
+MAX_NUMBER_DIGITS = 4300
+
+
+class _Number(str):
+    """A JSON number as the body wrote it (``json.loads``' ``parse_int``/``parse_float``:
+    no conversion, so no digit limit)."""
+
+
+def overlong_number(raw: bytes) -> tuple[str, str | None] | None:
+    """The message (and its ``param``: the path of the field, None for the body itself)
+    refusing a UTF-8 JSON body holding a number with more than :data:`MAX_NUMBER_DIGITS`
+    digits before its decimal point, naming where it is and how long it is; None when it
+    holds none (or is no JSON Python's parser reads). JSON sets no bound on a number (RFC
+    8259 section 6 lets an implementation set one); the parsers refused such a body in their
+    own words, ``body: Invalid JSON: number out of range at line 1 column 4330``, a syntax
+    error the client did not make, or (``/admin/reload``) Python's, cut short, advising
+    ``sys.set_int_max_str_digits()``; no field named."""
+    try:
+        value = json.loads(raw, parse_int=_Number, parse_float=_Number)
+    except (ValueError, RecursionError):
+        return None
+    todo: list[tuple[list[str], Any]] = [([], value)]  # depth first, in document order
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, _Number):
+            digits = len(re.split(r"[.eE]", item.lstrip("-"), maxsplit=1)[0])
+            if digits > MAX_NUMBER_DIGITS:
+                where = ".".join(path)[:80]
+                return (f"{where or 'body'}={item[:40]}...: a number of {digits} digits "
+                        f"before its decimal point, more than the server's JSON parser reads "
+                        f"({MAX_NUMBER_DIGITS}; RFC 8259 section 6 lets a parser bound "
+                        "numbers): no field takes a value this large, send one in the "
+                        "field's range"), where or None
+        elif isinstance(item, dict):
+            todo.extend(([*path, str(name)], child)
+                        for name, child in reversed(list(item.items())))
+        elif isinstance(item, list):
+            todo.extend(([*path, str(i)], child) for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
 def _surrogate_message(where: str, char: str, key: str | None) -> str:
     escape = f"\\u{ord(char):04x}"
     said = "" if key is None else f" ({shown(key, 60)})"

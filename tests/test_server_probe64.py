@@ -1,0 +1,61 @@
+"""Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` at stop 64
+(branch probe-http): a number longer than the JSON parsers read. Real executor on the bundled
+emulator; every wait bounded."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+TOKEN = "probe64-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+#: an integer of 5000 digits: valid JSON (RFC 8259 sets no bound), past the 4300 digits both
+#: of the server's JSON parsers read
+HUGE = "9" * 5000
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def client(executor):
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": %s}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": -%s.5}', "temperature"),
+    ("/v1/completions", '{"prompt": [1, %s]}', "prompt.1"),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "x"}], "seed": %se3}', "seed"),
+    ("/v1/responses", '{"input": "x", "max_output_tokens": %s}', "max_output_tokens"),
+    ("/tokenize", '{"prompt": [%s]}', "prompt.0"),
+    ("/admin/reload", '{"calbin": %s}', "calbin"),
+], ids=["max_tokens", "float", "prompt-id", "chat-exponent", "responses", "tokenize", "reload"])
+def test_a_number_longer_than_the_parser_reads_is_a_400_naming_its_field(client, route, body,
+                                                                         param):
+    """A number of more than 4300 digits was refused in the parser's words: ``body: Invalid
+    JSON: number out of range at line 1 column 4330`` (a syntax error the client did not
+    make, no field named) on the API's routes, and on ``/admin/reload`` Python's, cut
+    mid-word: ``body: not valid JSON (Exceeds the limit (4300 digits) for integer string
+    conversion: ... use sys.set_int_max_str_digits() t)``. Now the field and the number's
+    length are named."""
+    r = client.post(route, content=(body % HUGE).encode(),
+                    headers={"content-type": "application/json", **AUTH})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}=")
+    assert "5000 digits" in error["message"] and "(4300;" in error["message"], error
+    assert "Invalid JSON" not in error["message"] and "sys." not in error["message"], error
+    assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                       ).status_code == 200  # the server serves on
