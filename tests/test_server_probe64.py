@@ -1,14 +1,18 @@
 """Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` at stop 64
-(branch probe-http): a number longer than the JSON parsers read. Real executor on the bundled
-emulator; every wait bounded."""
+(branch probe-http): a number longer than the JSON parsers read, and two model switches at
+once. Real executor on the bundled emulator; every wait bounded."""
 
 from __future__ import annotations
 
+import threading
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import started_executor
+from calexec.machines.executor import DeviceExecutor
+from test_server_support import ServeLikeServer, server_idle, started_executor
 
 TOKEN = "probe64-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -59,3 +63,64 @@ def test_a_number_longer_than_the_parser_reads_is_a_400_naming_its_field(client,
     assert "Invalid JSON" not in error["message"] and "sys." not in error["message"], error
     assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
                        ).status_code == 200  # the server serves on
+
+
+class HeldSwitch(DeviceExecutor):
+    """An executor whose first ``switch_model`` waits (bounded) for ``release`` before it
+    starts: a switch caught between the admin's checks and the lifecycle's first move."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def switch_model(self, calbin_path):
+        self.calls.append(str(calbin_path))
+        if len(self.calls) == 1:
+            self.entered.set()
+            self.release.wait(30.0)
+        return super().switch_model(calbin_path)
+
+
+def test_a_reload_while_another_has_not_moved_the_lifecycle_yet_is_refused(tmp_path):
+    """Two ``POST /admin/reload`` at once (two operators, a retried call) both found the
+    lifecycle Ready and both switched: the executor ran the second after the first (two
+    drains, two generations), and the first's 200 said ``"lifecycle": "Recovering"`` (read
+    after the second switch began) though docs/operations.md says a reload while another
+    switch runs is a 503. The second is now that 503 naming the switch under way; the
+    first answers its own generation, Ready."""
+    executor = started_executor(tmp_path, executor_class=HeldSwitch)
+    assert isinstance(executor, HeldSwitch)
+    calbin = executor.config.calbin_path
+    answers: list[httpx.Response] = []
+    try:
+        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        with ServeLikeServer(app) as server:
+            first = threading.Thread(target=lambda: answers.append(httpx.post(
+                f"{server.url}/admin/reload", json={"calbin": calbin}, headers=AUTH,
+                timeout=60.0)))
+            first.start()
+            try:
+                assert executor.entered.wait(30.0), "the first reload never reached the switch"
+                r = httpx.post(f"{server.url}/admin/reload", json={"calbin": calbin},
+                               headers=AUTH, timeout=60.0)
+                assert r.status_code == 503, r.text
+                assert r.headers["retry-after"], r.headers
+                error = r.json()["error"]
+                assert error["param"] == "calbin" and error["code"] == "lifecycle.unavailable"
+                assert "under way" in error["message"] and calbin in error["message"], error
+                assert executor.calls == [calbin], executor.calls  # nothing else moved
+            finally:
+                executor.release.set()
+                first.join(60.0)
+            assert len(answers) == 1 and answers[0].status_code == 200, answers
+            assert answers[0].json() == {"reloaded": True, "calbin": calbin,
+                                         "generation": 2, "lifecycle": "Ready"}
+            # the next reload, once the first answered, switches
+            r = httpx.post(f"{server.url}/admin/reload", json={"calbin": calbin},
+                           headers=AUTH, timeout=60.0)
+            assert r.status_code == 200 and r.json()["generation"] == 3, r.text
+            assert server_idle(app.state.service)
+    finally:
+        executor.release.set()
+        executor.shutdown(5.0)

@@ -30,11 +30,14 @@ from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 MODEL = "calexec-qwen3-synthetic"
 
 
-def started_executor(tmp: Path, device_config: str = "", **config) -> DeviceExecutor:
-    """A started executor serving the default synthetic calbin written into ``tmp``."""
+def started_executor(tmp: Path, device_config: str = "",
+                     executor_class: type[DeviceExecutor] = DeviceExecutor,
+                     **config) -> DeviceExecutor:
+    """A started executor (of ``executor_class``) serving the default synthetic calbin
+    written into ``tmp``."""
     path = str(tmp / "synthetic.calbin")
     calbin.write(path, calbin.default_spec())
-    executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+    executor = executor_class(CalRT.load(), load_manifest(default_manifest_path()),
                               ExecutorConfig(calbin_path=path, device_config=device_config,
                                              **config))
     status = executor.start()

@@ -179,6 +179,12 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     """``/admin/drain`` and ``/admin/reload`` on ``app``."""
     executor, config = service.executor, service.config
     retry = config.retry_after_s
+    #: the calbin of the switch this app's ``/admin/reload`` runs now (at most one): checked
+    #: and set with no ``await`` between them and the health check, so a second reload is
+    #: refused while the first has not yet moved the lifecycle (both found it Ready, and the
+    #: executor ran the second switch after the first: two drains, and the first's answer
+    #: read the lifecycle of the second, ``"lifecycle": "Recovering"``)
+    switching: list[str] = []
 
     async def read_body(request: Request) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
@@ -284,9 +290,19 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(Status.unavailable(
                 Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
                 "calbin", retry_after=retry)
-        log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
-                 wire.request_id(request.scope))
-        status = await to_thread.run_sync(executor.switch_model, path)
+        if switching:
+            return error_response(Status.unavailable(
+                Phase.RECOVERY, "reload refused, lifecycle unchanged: a switch to calbin "
+                f"{shown(switching[0], 300)} is under way; send it again once that one "
+                "answered"), "calbin", retry_after=retry)
+        switching.append(path)
+        try:
+            log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
+                     wire.request_id(request.scope))
+            status = await to_thread.run_sync(executor.switch_model, path)
+            gen, state = executor.gen, executor.state  # (read before another switch starts)
+        finally:
+            switching.clear()
         if not status.ok:
             if "golden.unpinned" in status.message:
                 # the core names its config field; a `calexec serve` operator has the flag
@@ -296,9 +312,8 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             log.warning("admin: switch to calbin %s failed, lifecycle %s: %s", shown(path, 300),
                         executor.state, status)
             return error_response(status, "calbin")
-        gen = executor.gen  # the switch succeeded: the new generation
         log.info("admin: calbin %s serves, generation %s", shown(path, 300),
                  None if gen is None else gen.id)
         return JSONResponse({"reloaded": True, "calbin": path,
                              "generation": None if gen is None else gen.id,
-                             "lifecycle": executor.state})
+                             "lifecycle": state})
