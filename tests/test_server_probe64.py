@@ -1,9 +1,13 @@
 """Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` at stop 64
 (branch probe-http): a number longer than the JSON parsers read, and two model switches at
-once. Real executor on the bundled emulator; every wait bounded."""
+once, and a client still sending its body when a drain ended. Real executor on the bundled
+emulator; every wait bounded."""
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import threading
 
 import httpx
@@ -12,7 +16,14 @@ from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor
-from test_server_support import ServeLikeServer, server_idle, started_executor
+from test_ops_sweep import serve_process, stopped
+from test_server_support import (
+    ServeLikeServer,
+    read_until_closed,
+    server_idle,
+    split_head,
+    started_executor,
+)
 
 TOKEN = "probe64-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -124,3 +135,53 @@ def test_a_reload_while_another_has_not_moved_the_lifecycle_yet_is_refused(tmp_p
     finally:
         executor.release.set()
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("route, head", [
+    ("/v1/completions", b""),
+    ("/admin/reload", b"authorization: Bearer " + TOKEN.encode() + b"\r\n"),
+], ids=["completion", "reload"])
+def test_a_client_still_sending_its_body_when_a_drain_ends_gets_the_draining_503(
+        tmp_path, route, head):
+    """``calexec serve``, a client that sent its request head and part of its body, SIGTERM:
+    once the drain ended, uvicorn cut the connection after ``SHUTDOWN_WAIT_S`` and its client
+    got uvicorn's plain-text ``500 Internal Server Error`` (no JSON, no ``x-request-id``: a
+    bug to its client, which the forced exit's cut no longer answers either). It now gets the
+    draining 503 (OpenAI-shaped, ``Retry-After``, ``Connection: close``) when the drain's grace
+    is over, and the server exits 0 without an ERROR line."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    proc, url = serve_process(tmp_path, "--grace", "1", "--admin-token-file", str(token))
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            # one whole request first: the connection is the server's before the partial one
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while b"}" not in answer:  # (the /health answer is one JSON object)
+                chunk = sock.recv(4096)
+                assert chunk, f"the connection closed after {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            sock.sendall(f"POST {route} HTTP/1.1\r\nhost: x\r\n".encode() + head
+                         + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                         % len(body) + body[:-4])
+            proc.send_signal(signal.SIGTERM)
+            data, how = read_until_closed(sock)
+        code, stderr = stopped(proc)
+        status, headers, rest = split_head(data)
+        assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
+        assert headers["content-type"] == "application/json" and headers["x-request-id"], headers
+        assert headers["retry-after"] and headers["connection"] == "close", headers
+        error = json.loads(rest)["error"]
+        assert error["code"] == "lifecycle.unavailable", error
+        assert "grace ran out before the request's body arrived" in error["message"], error
+        assert how == "eof", how
+        assert code == 0, stderr[-3000:]
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)

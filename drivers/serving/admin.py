@@ -189,7 +189,8 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     async def read_body(request: Request) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
         slowly (408) or is too large (413): ``wire.body_or_refusal``, as the API's."""
-        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s)
+        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
+                                         service.bodies)
         if isinstance(raw, wire.BodyRefusal):
             return error_response(raw.status, None, http_status=raw.http_status,
                                   headers=raw.headers)

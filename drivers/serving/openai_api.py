@@ -1305,7 +1305,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         transfer = wire.unsupported_transfer_coding(request)
         if transfer is not None:
             raise Refusal(error_bodies.transfer_coding_refused(transfer), None, 501)
-        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s)
+        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
+                                         service.bodies)
         if isinstance(raw, wire.BodyRefusal):  # 499 (nobody reads it), 408, 413: counted
             raise Refusal(raw.status, None, raw.http_status, raw.headers)
         body = parse(model, raw)

@@ -883,9 +883,10 @@ class DrainingServer(uvicorn.Server):
         service.on_drained.append(self._drained)
 
     def _drained(self, status: Status) -> None:
-        # connections still open (a client that never sent its whole body, one that does
-        # not read what was buffered for it) are cut by uvicorn after SHUTDOWN_WAIT_S: an
-        # expected end of a drain, not an error with a traceback per connection
+        # connections still open (a client that does not read what was buffered for it; a
+        # client still sending its body got the draining 503 at the grace's end, which
+        # ``service.bodies`` cut) are cut by uvicorn after SHUTDOWN_WAIT_S: an expected end
+        # of a drain, not an error with a traceback per connection
         logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
         self.should_exit = True
 

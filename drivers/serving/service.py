@@ -722,6 +722,9 @@ class CompletionService:
         #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
         #: cuts the ones still waiting when its grace is over
         self.sends = wire.SendBounds()
+        #: the request bodies being read (``wire.body_or_refusal``); a drain cuts them when
+        #: its grace is over: the draining 503, not uvicorn's plain-text 500 at its exit
+        self.bodies = wire.BodyReads()
         #: choices of streamed requests of several choices whose next chunk waits for room
         #: (the request's queue of ``STREAM_AHEAD`` chunks a choice is full: its client reads
         #: slower than they generate): ``calexec_stream_choices_waiting``. Event-loop only
@@ -1678,6 +1681,9 @@ class CompletionService:
             await anyio.sleep(0.01)
         slack = self.config.deadline_slack_s
         self.grace_over = True
+        # a client still sending its body gets the draining 503 now (uvicorn's shutdown
+        # would cut its connection after SHUTDOWN_WAIT_S with a plain-text 500)
+        self.bodies.cut()
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut%s", grace,
                         self.active, self.running_ids())

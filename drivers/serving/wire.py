@@ -5,12 +5,13 @@ that stops reading cannot hold what its request holds)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -414,18 +415,54 @@ class BodyRefusal:
     headers: dict[str, str] | None = None
 
 
-async def body_or_refusal(request: Request, limit: int, timeout: float
-                          ) -> bytes | BodyRefusal:
+class BodyReads:
+    """The request bodies being read now (:func:`body_or_refusal`): :meth:`cut` ends every
+    one of them, and any read after it at once (a drain whose grace is over: a client still
+    sending its body then was cut by uvicorn's shutdown, and got its plain-text ``500
+    Internal Server Error``). Event-loop only."""
+
+    def __init__(self) -> None:
+        self._scopes: set[anyio.CancelScope] = set()
+        self.cut_done = False
+
+    def cut(self) -> None:
+        """End every body read under way now, and every later one at once."""
+        self.cut_done = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[anyio.CancelScope]:
+        """The cancel scope of one body's read, cancelled by :meth:`cut`."""
+        with anyio.CancelScope() as scope:
+            if self.cut_done:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+
+
+async def body_or_refusal(request: Request, limit: int, timeout: float,
+                          reads: BodyReads | None = None) -> bytes | BodyRefusal:
     """:func:`read_body`, its failures mapped to their answer, one mapping for every route
     that reads a body (the API's and the admin's): the client gone mid-upload is a 499
     (a cancelled request, which nobody reads), a body not whole within ``timeout`` a 408
-    and one over ``limit`` bytes a 413, both closing the connection."""
-    try:
-        raw = await read_body(request, limit, timeout)
-    except ClientGone as gone:
-        return BodyRefusal(Status.cancelled(Phase.VALIDATE, str(gone)), 499)
-    except BodyTimeout as late:
-        return BodyRefusal(body_timeout(str(late), timeout), 408, CLOSE)
+    and one over ``limit`` bytes a 413, both closing the connection; a read ``reads`` cut
+    (a drain's grace over) the draining 503, closing it too."""
+    raw: bytes | None = None
+    with contextlib.nullcontext() if reads is None else reads.reading() as scope:
+        try:
+            raw = await read_body(request, limit, timeout)
+        except ClientGone as gone:
+            return BodyRefusal(Status.cancelled(Phase.VALIDATE, str(gone)), 499)
+        except BodyTimeout as late:
+            return BodyRefusal(body_timeout(str(late), timeout), 408, CLOSE)
+    if scope is not None and scope.cancelled_caught:
+        return BodyRefusal(Status.unavailable(
+            Phase.ADMISSION, "server drained: its grace ran out before the request's body "
+            "arrived whole; retry"), 503, CLOSE)
     if raw is None:
         return BodyRefusal(invalid(f"request body exceeds max_body_bytes={limit}"), 413, CLOSE)
     return raw
