@@ -203,7 +203,8 @@ def test_a_continuous_usage_stats_that_is_no_boolean_is_refused(server, wrong):
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "stream_options", error
-    assert error["message"] == "stream_options.continuous_usage_stats: must be a boolean"
+    assert error["message"] == (f"stream_options.continuous_usage_stats={json.dumps(wrong)}: "
+                                "must be a boolean, true or false")
 
 
 @pytest.fixture(scope="module")

@@ -76,6 +76,27 @@ def test_a_number_longer_than_the_parser_reads_is_a_400_naming_its_field(client,
                        ).status_code == 200  # the server serves on
 
 
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 2}),
+], ids=["completion", "chat"])
+@pytest.mark.parametrize("option, value, written", [
+    ("include_usage", "yes", '"yes"'), ("continuous_usage_stats", 1, "1"),
+    ("include_obfuscation", [], "[]")])
+def test_a_stream_option_that_is_no_boolean_is_refused_naming_its_value(
+        client, route, body, option, value, written):
+    """``stream_options: {"include_usage": "yes"}`` was refused ``stream_options.include_usage:
+    must be a boolean``, the one refusal of a value that did not name it (docs/server.md: the
+    bad field and its value); now ``stream_options.include_usage="yes": ...``."""
+    r = client.post(route, json={**body, "stream": True, "stream_options": {option: value}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "stream_options", error
+    assert error["message"] == (f"stream_options.{option}={written}: must be a boolean, true "
+                                "or false"), error
+
+
 class HeldSwitch(DeviceExecutor):
     """An executor whose first ``switch_model`` waits (bounded) for ``release`` before it
     starts: a switch caught between the admin's checks and the lifecycle's first move."""

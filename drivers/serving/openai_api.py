@@ -532,8 +532,9 @@ def refusal(body: _Body) -> None:
             # null: the option's default (false), as for a field of the body
             if body.stream_options.get(key) is not None \
                     and not isinstance(body.stream_options[key], bool):
-                raise Refusal(invalid(f"stream_options.{key}: must be a boolean"),
-                              "stream_options")
+                raise Refusal(invalid(f"stream_options.{key}="
+                                      f"{shown(body.stream_options[key], 80)}: must be a "
+                                      "boolean, true or false"), "stream_options")
 
 
 def include_usage(body: _Body) -> bool:
