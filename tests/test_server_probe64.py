@@ -168,8 +168,9 @@ def test_a_client_still_sending_its_body_when_a_drain_ends_gets_the_draining_503
     once the drain ended, uvicorn cut the connection after ``SHUTDOWN_WAIT_S`` and its client
     got uvicorn's plain-text ``500 Internal Server Error`` (no JSON, no ``x-request-id``: a
     bug to its client, which the forced exit's cut no longer answers either). It now gets the
-    draining 503 (OpenAI-shaped, ``Retry-After``, ``Connection: close``) when the drain's grace
-    is over, and the server exits 0 without an ERROR line."""
+    draining 503 (OpenAI-shaped, ``Retry-After``, ``Connection: close``) when the drain stops
+    waiting for requests (here at once: none was admitted), and the server exits 0 without an
+    ERROR line."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)

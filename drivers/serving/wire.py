@@ -417,9 +417,10 @@ class BodyRefusal:
 
 class BodyReads:
     """The request bodies being read now (:func:`body_or_refusal`): :meth:`cut` ends every
-    one of them, and any read after it at once (a drain whose grace is over: a client still
-    sending its body then was cut by uvicorn's shutdown, and got its plain-text ``500
-    Internal Server Error``). Event-loop only."""
+    one of them, and any read after it at once (a drain that stopped waiting for requests,
+    its grace over or none running: a client still sending its body then was cut by
+    uvicorn's shutdown, and got its plain-text ``500 Internal Server Error``). Event-loop
+    only."""
 
     def __init__(self) -> None:
         self._scopes: set[anyio.CancelScope] = set()
