@@ -1260,7 +1260,7 @@ def parse_tool_calls(text: str, named: str | None = None, forced: bool = False
     call with its arguments as generated, as streamed (vLLM's named call, OpenAI's).
     ``named`` (``tool_choice`` named the function): the text is its arguments, one call of
     it, also when cut short (as vLLM answers a named call: ``finish_reason`` says "length")."""
-    stream = ToolCallStream(named)
+    stream = ToolCallStream(named, forced)
     deltas = stream.feed(text, final=True)
     if (stream.args_cut and not forced and named is None) \
             or not (stream.calls or stream.cut):
@@ -1285,7 +1285,9 @@ class ToolCallStream:
     held back until it is known. ``calls``: calls opened; ``complete``: calls closed.
     ``named``: ``tool_choice`` named this function, whose arguments alone the output is (no
     markup, chat_structure): its one call opens with the first text, every piece is its
-    arguments."""
+    arguments. ``forced`` (``tool_choice`` "required"): the output is calls only, so an end
+    cut inside the ``<tool_call>`` tag itself (``<to``) is markup, as it is after a call
+    under any ``tool_choice`` (the grammar lets only calls follow a call)."""
 
     _OPENED = re.compile(re.escape(CALL_OPEN) + r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
                          r'\s*,\s*"arguments"\s*:\s*')
@@ -1293,8 +1295,9 @@ class ToolCallStream:
     #: end (never raw inside compact JSON), the close tag
     _END = "}\n" + CALL_CLOSE
 
-    def __init__(self, named: str | None = None) -> None:
+    def __init__(self, named: str | None = None, forced: bool = False) -> None:
         self._named = named
+        self._forced = forced
         self._text = ""
         self._at = 0  # characters of _text turned into deltas
         self._in_call = False
@@ -1348,6 +1351,8 @@ class ToolCallStream:
                 self._args = self._at
                 continue
             if final:  # an opening cut short is the call's markup, no content
+                if start < 0 and (self.calls or self._forced) and _open_prefix(rest):
+                    start = len(rest) - _open_prefix(rest)  # cut in the tag: only calls here
                 self.cut = self.cut or start >= 0
                 self._content(rest if start < 0 else rest[:start], deltas, final=True)
                 self._at += len(rest)

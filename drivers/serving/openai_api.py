@@ -2291,7 +2291,7 @@ class _ToolChatShape(_ChatShape):
         #: the output is calls only (named or "required"): a call cut in its arguments is
         #: the call, as streamed (grammar.parse_tool_calls)
         self.forced = forced
-        self.calls = grammar.ToolCallStream(self.function)
+        self.calls = grammar.ToolCallStream(self.function, forced)
         self.held_ids: list[int] = []
 
     def opening(self, index: int | None = None) -> list[dict[str, Any]]:

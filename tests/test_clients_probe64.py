@@ -1,0 +1,103 @@
+"""Stop 64's probe with real clients (the official ``openai`` SDK, langchain-openai) against a
+loopback server on the synthetic model: what a client met, each pinned here
+(docs/traceability.md "Found at stop 64 (clients)"). Client timeout 10 s, no retries."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from calexec.drivers.serving import grammar
+from test_server_support import MODEL, openai_server
+
+TIMEOUT_S = 10.0
+
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"], "additionalProperties": False}}}
+#: a tool the greedy synthetic model calls twice under "required" (seed of the synthetic calbin)
+TWICE = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+MESSAGES = [{"role": "user", "content": "hi"}]
+#: a call's opening tag, one token a byte (the byte-level tokenizer)
+TAG = grammar.CALL_OPEN
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
+        yield sdk
+
+
+def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | None]:
+    """``(content, [(name, arguments)], finish_reason)`` of a chat stream's deltas joined."""
+    content: str | None = None
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+            for call in choice.delta.tool_calls or ():
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += (call.function.name or "") if call.function else ""
+                entry[1] += (call.function.arguments or "") if call.function else ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(calls[k]) for k in sorted(calls)], finish
+
+
+def _whole(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | None]:
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    return choice.message.content, calls, choice.finish_reason
+
+
+@pytest.mark.parametrize("cut", [1, 3, len(TAG) - 1])
+def test_a_required_call_cut_inside_its_tag_is_no_content_whole_as_streamed(
+        client: openai.OpenAI, cut):
+    """``tool_choice: "required"`` and a ``max_tokens`` that cuts the output inside the
+    ``<tool_call>`` tag itself: the grammar's markup (``<``, ``<to``, ``<tool_call``) was the
+    message's content, whole and streamed, where a cut one token later (in the rest of the
+    opening) is content null (stop 58; docs/server.md: "a ``<tool_call>`` opening cut short
+    is no content"). A required answer holds calls only: now content null, no call,
+    ``finish_reason: length``."""
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
+              "max_tokens": cut, "temperature": 0}
+    assert _whole(client, **kwargs) == (None, [], "length")
+    assert _streamed(client, **kwargs) == (None, [], "length")
+
+
+@pytest.mark.parametrize("into", [1, 4, len(TAG) - 1])
+def test_a_second_call_cut_inside_its_tag_leaves_the_first_and_no_content(
+        client: openai.OpenAI, into):
+    """``max_tokens`` cut a required answer ``into`` tokens into the tag of its second call:
+    the answer had the first call and the line end plus the cut tag as content
+    (``"\\n<to"``): langchain's ``AIMessage`` carried markup as text beside its tool call.
+    The grammar lets only calls follow a call, so that text is markup: now the first call,
+    content null, whole and streamed alike (docs/server.md: "cut ... in the opening of one
+    more call has the calls")."""
+    base = {"model": MODEL, "messages": MESSAGES, "tools": [TWICE], "tool_choice": "required",
+            "temperature": 0}
+    content, calls, _ = _whole(client, **base, max_tokens=200)
+    assert content is None and len(calls) >= 2, (content, calls)
+    first = len(f'{TAG}\n{{"name":"f","arguments":{calls[0][1]}}}\n{grammar.CALL_CLOSE}\n')
+    kwargs = {**base, "max_tokens": first + into}
+    assert _whole(client, **kwargs) == (None, [calls[0]], "length")
+    assert _streamed(client, **kwargs) == (None, [calls[0]], "length")
+
+
+@pytest.mark.parametrize(("text", "forced", "content"), [
+    ("<tool_c", True, None),
+    ("<tool_c", False, "<tool_c"),  # "auto": text may hold a "<"; no call was made
+    ("so <t", False, "so <t"),
+    ('<tool_call>\n{"name":"get","arguments":{"x":1}}\n</tool_call>\n<tool_', False, None),
+])
+def test_a_cut_tag_is_markup_where_only_calls_can_follow(text, forced, content):
+    """The parse of a whole answer and the stream fed one piece: a cut tag is markup under
+    ``required`` and after a call, text under ``auto`` before any call."""
+    stream = grammar.ToolCallStream(None, forced)
+    deltas = stream.feed(text, final=True)
+    assert ("".join(d.get("content", "") for d in deltas) or None) == content
+    parsed, calls = grammar.parse_tool_calls(text, None, forced)
+    assert parsed == content
+    assert len(calls) == text.count("</tool_call>")
