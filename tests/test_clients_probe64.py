@@ -101,3 +101,44 @@ def test_a_cut_tag_is_markup_where_only_calls_can_follow(text, forced, content):
     parsed, calls = grammar.parse_tool_calls(text, None, forced)
     assert parsed == content
     assert len(calls) == text.count("</tool_call>")
+
+
+def _answer(client: openai.OpenAI, messages: list) -> tuple[str | None, int]:
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                            temperature=0)
+    assert answer.usage is not None
+    return answer.choices[0].message.content, answer.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(("role", "part"), [
+    ("assistant", {"type": "refusal", "refusal": "I can't help with that."}),
+    ("user", {"type": "input_text", "text": "I can't help with that."}),
+    ("assistant", {"type": "output_text", "text": "I can't help with that.", "annotations": []}),
+], ids=["refusal", "input_text", "output_text"])
+def test_a_refusal_or_responses_text_part_is_the_messages_text(client: openai.OpenAI, role, part):
+    """An assistant message whose content is a list holding a ``refusal`` part (the SDK's
+    ``ChatCompletionAssistantMessageParam`` allows ``ChatCompletionContentPartRefusalParam``
+    there) and the Responses API's text parts (``input_text``, ``output_text``: a
+    conversation carried over from /v1/responses), which vLLM's chat renders as text, were a
+    400 ``only text parts are supported``, naming a text part. Each is now the message's
+    text: the answer and its prompt are those of the same message with a string content."""
+    text = part.get("text", part.get("refusal"))
+    def conversation(content):
+        return [{"role": "user", "content": "hi"}, {"role": role, "content": content},
+                {"role": "user", "content": "and?"}]
+    assert _answer(client, conversation([part])) == _answer(client, conversation(text))
+
+
+def test_a_refusal_part_outside_an_assistant_message_is_still_refused_naming_it(
+        client: openai.OpenAI):
+    """A ``refusal`` part is the model's: in a user message it is a 400 naming its place and
+    the parts a message may hold."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "messages.0.content.0.type", error
+    assert error["message"].startswith('messages[0].content[0].type="refusal": only text parts '
+                                       "are supported (text, input_text, output_text; refusal "
+                                       "in an assistant message)"), error

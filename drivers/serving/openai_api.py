@@ -722,10 +722,17 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
                    f"messages.{index}.content")
 
 
+#: content parts whose ``text`` is text: chat's own, and the Responses API's, which vLLM's chat
+#: takes as text too (a conversation carried over from /v1/responses)
+TEXT_PARTS = ("text", "input_text", "output_text")
+
+
 def message_text(message: ChatMessage, index: int) -> str:
-    """The text of a message: a string, or its ``text`` parts joined by a line end, as vLLM
-    joins them for a text model's template (they were run together: "Part one.Part two.");
-    other parts refused; an assistant message without content: its ``refusal``, if any."""
+    """The text of a message: a string, or its text parts (:data:`TEXT_PARTS`; an assistant's
+    ``refusal`` parts, which the SDK's ``ChatCompletionAssistantMessageParam`` allows, by
+    their ``refusal``) joined by a line end, as vLLM joins them for a text model's template
+    (they were run together: "Part one.Part two."); other parts refused; an assistant
+    message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
         raise Refusal(invalid(f"messages[{index}].role={shown(message.role, 80)}: must be one of "
                               f"{', '.join(CHAT_ROLES)}"), f"messages.{index}.role")
@@ -744,13 +751,17 @@ def message_text(message: ChatMessage, index: int) -> str:
     texts = []
     for j, part in enumerate(message.content):
         at = f"messages[{index}].content[{j}]"
-        if part.get("type") != "text":
-            raise Refusal(invalid(f"{at}.type={shown(part.get('type'), 80)}: only text parts are "
-                                  "supported"), f"messages.{index}.content.{j}.type")
-        if not isinstance(part.get("text"), str):
-            raise Refusal(invalid(f"{at}.text={shown(part.get('text'), 80)}: must be a string"),
-                          f"messages.{index}.content.{j}.text")
-        texts.append(part["text"])
+        kind = part.get("type")
+        key = ("text" if kind in TEXT_PARTS
+               else "refusal" if kind == "refusal" and message.role == "assistant" else None)
+        if key is None:
+            raise Refusal(invalid(f"{at}.type={shown(kind, 80)}: only text parts are "
+                                  f"supported ({', '.join(TEXT_PARTS)}; refusal in an "
+                                  "assistant message)"), f"messages.{index}.content.{j}.type")
+        if not isinstance(part.get(key), str):
+            raise Refusal(invalid(f"{at}.{key}={shown(part.get(key), 80)}: must be a string"),
+                          f"messages.{index}.content.{j}.{key}")
+        texts.append(part[key])
     return "\n".join(texts)
 
 
