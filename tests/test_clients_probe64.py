@@ -142,3 +142,19 @@ def test_a_refusal_part_outside_an_assistant_message_is_still_refused_naming_it(
     assert error["message"].startswith('messages[0].content[0].type="refusal": only text parts '
                                        "are supported (text, input_text, output_text; refusal "
                                        "in an assistant message)"), error
+
+
+def test_a_body_over_max_body_bytes_says_what_to_do(client: openai.OpenAI):
+    """A completion whose body is over the server's ``max_body_bytes`` (lm-eval's batches of
+    long windows: 4 of 40,000 token ids are about 1.3 MB) was a 413 saying only ``request body
+    exceeds max_body_bytes=1048576``: the client could not tell it is the server's setting.
+    The message now says to send a smaller body or start the server with a larger
+    ``--max-body-bytes`` (docs/server.md's 413 row)."""
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=MODEL, prompt=[[151643] * 40_000] * 4, max_tokens=0)
+    assert caught.value.status_code == 413
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["message"] == (
+        "request body exceeds max_body_bytes=1048576: send a smaller body (fewer or shorter "
+        "prompts), or start the server with a larger --max-body-bytes"), error

@@ -436,7 +436,8 @@ BODY_FAILURES = {
              "the request body did not arrive whole within body_timeout_s=0.2 s: "
              "10 bytes of 100 came"),
     "large": (413, "close", "invalid_request_error", "request.invalid", "INVALID_ARGUMENT",
-              "request body exceeds max_body_bytes=500"),
+              "request body exceeds max_body_bytes=500: send a smaller body (fewer or shorter "
+              "prompts), or start the server with a larger --max-body-bytes"),
 }
 
 

@@ -95,7 +95,6 @@ from typing import Any
 
 import attrs
 
-from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.fleet.edge import (
     BODY_GONE,
@@ -342,10 +341,8 @@ class FleetIngress:
                 self.settings.retry_after_s, close=True))
             return
         if read == BODY_TOO_LARGE:
-            await send_held(send, *refusal(Status.failure(
-                "request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
-                f"request body exceeds max_body_bytes={self.settings.max_body_bytes}"),
-                413, self.settings.retry_after_s, close=True))
+            await send_held(send, *refusal(error_bodies.body_too_large(
+                self.settings.max_body_bytes), 413, self.settings.retry_after_s, close=True))
             return
         body = b"".join(chunks)
         route = (scope["method"], route_path(scope))

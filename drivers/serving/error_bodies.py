@@ -200,6 +200,15 @@ def body_timeout(came: str, timeout_s: float) -> Status:
                           f"{timeout_s:g} s: {came}")
 
 
+def body_too_large(limit: int) -> Status:
+    """The failure of a request whose body is over ``limit`` bytes
+    (``ServerConfig.max_body_bytes``; answered 413, the connection closed), saying what to do:
+    the limit is the server's setting, which a client (lm-eval's batches of long windows) could
+    not tell from the name alone."""
+    return invalid(f"request body exceeds max_body_bytes={limit}: send a smaller body (fewer "
+                   "or shorter prompts), or start the server with a larger --max-body-bytes")
+
+
 def malformed_http(message: str, request_id: str) -> bytes:
     """The whole HTTP/1.1 response to bytes that are not an HTTP request (the HTTP parser's
     ``message``, e.g. "Invalid HTTP request received."): a 400 with the OpenAI-shaped JSON

@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving.error_bodies import body_timeout, invalid
+from calexec.drivers.serving.error_bodies import body_timeout, body_too_large
 
 #: ASGI scope extension: a callable that aborts the request's connection at once (set by the
 #: HTTP protocol ``server.uvicorn_config`` runs; a response cut by its bound calls it, so the
@@ -465,7 +465,7 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
             Phase.ADMISSION, "server drained: its grace ran out before the request's body "
             "arrived whole; retry"), 503, CLOSE)
     if raw is None:
-        return BodyRefusal(invalid(f"request body exceeds max_body_bytes={limit}"), 413, CLOSE)
+        return BodyRefusal(body_too_large(limit), 413, CLOSE)
     return raw
 
 
