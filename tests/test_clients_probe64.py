@@ -158,3 +158,52 @@ def test_a_body_over_max_body_bytes_says_what_to_do(client: openai.OpenAI):
     assert error["message"] == (
         "request body exceeds max_body_bytes=1048576: send a smaller body (fewer or shorter "
         "prompts), or start the server with a larger --max-body-bytes"), error
+
+
+#: a function tool as the Responses API writes one (flat)
+FLAT = {"type": "function", "name": "get", "parameters": TOOL["function"]["parameters"]}
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "hi"},
+    {"input": "hi", "instructions": "Be brief.", "tools": [FLAT]},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+               {"type": "function_call", "call_id": "c1", "name": "get",
+                "arguments": '{"x": 1}'},
+               {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+     "tools": [FLAT], "text": {"format": {"type": "json_object"}}},
+], ids=["text", "instructions-and-tools", "tool-round-trip"])
+def test_responses_input_tokens_count_is_the_prompt_a_response_is_admitted_with(
+        client: openai.OpenAI, body):
+    """The SDK's ``responses.input_tokens.count`` (``POST /v1/responses/input_tokens``) was a
+    405 ``method not allowed (allowed: DELETE, GET, HEAD)``, as if a ``GET`` of that path
+    were something (it is the 404 of a stored response named ``input_tokens``). It now
+    answers OpenAI's ``response.input_tokens`` object: the ``usage.input_tokens`` of the
+    response to the same body (instructions, tools and tool round trips rendered as the
+    Responses route renders them)."""
+    counted = client.responses.input_tokens.count(model=MODEL, **body)
+    assert counted.object == "response.input_tokens"
+    answered = client.responses.create(model=MODEL, max_output_tokens=1, **body)
+    assert answered.usage is not None
+    assert counted.input_tokens == answered.usage.input_tokens > 0
+
+
+@pytest.mark.parametrize(("body", "param", "start"), [
+    ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning",
+     'reasoning={"effort": "low"}: the served model does not reason'),
+    ({"instructions": "x"}, "input", "input: missing, give the input to count"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "a b"}]}, "tools.0.name",
+     'tools.0.name="a b": must be a string of 1 to 64'),
+    ({"input": "hi", "store": True}, "store", "store: unknown parameter"),
+])
+def test_responses_input_tokens_refuses_what_responses_refuses_naming_it(
+        client: openai.OpenAI, body, param, start):
+    """A body the count cannot honour is a 400 naming the Responses field, as /v1/responses
+    names it (never chat's name of it)."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_tokens.count(model=MODEL, **body) if "store" not in body \
+            else client.post("/responses/input_tokens", cast_to=object,
+                             body={"model": MODEL, **body})
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == param and error["message"].startswith(start), error

@@ -1261,12 +1261,16 @@ class ChatPath:
     generation (auth, media type, size, the served model) or :class:`Refusal`;
     ``answer(request, chat_body, response_id, prompt_param, max_tokens_param)`` the chat's
     answer to it, as ``/v1/chat/completions`` gives it; ``refused(err)`` a refusal's error response, counted
-    as a failed request; ``answered(err)`` one that is no generation's, not counted."""
+    as a failed request; ``answered(err)`` one that is no generation's, not counted;
+    ``count(chat_body)`` its prompt tokens."""
 
     read: Callable[[Request, type[Any]], Coroutine[Any, Any, Any]]
     answer: Callable[..., Coroutine[Any, Any, Response]]
     refused: Callable[[Refusal], Response]
     answered: Callable[[Refusal], Response]
+    #: the prompt tokens a chat body is admitted with (its messages and tools rendered as the
+    #: chat route renders them), nothing generated; :class:`Refusal` as the chat route's
+    count: Callable[[ChatRequest], int]
 
 
 def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]
@@ -1504,10 +1508,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                              body.parallel_tool_calls)
             if plan is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=plan)
-            text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
-                               body.chat_template_kwargs, body.continue_final_message, tools)
-            ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
-                            body.truncate_prompt_tokens)
+            ids = chat_prompt(body, tools)
             wanted = (body.max_completion_tokens or body.max_tokens
                       or chat_default(len(ids), prompt_param))
         except Refusal as err:
@@ -1530,6 +1531,17 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return await _generate_many(
             request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
                       for j in range(body.n)], body.n, params, include_usage(body), response_id)
+
+    def chat_prompt(body: ChatRequest, tools: grammar.ToolSetup | None) -> list[int]:
+        """The prompt ids of the chat ``body`` (``tools``: its checked tools, rendered by the
+        template)."""
+        text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
+                           body.chat_template_kwargs, body.continue_final_message, tools)
+        return truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
+                         body.truncate_prompt_tokens)
+
+    def count(body: ChatRequest) -> int:
+        return len(chat_prompt(body, structure(grammar.tool_setup, body.tools, body.tool_choice)))
 
     async def read_body(request: Request, model: type[Body]) -> Body:
         """:func:`read` of a generation's body (``admits``), for a route of its own module."""
@@ -2003,7 +2015,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             lambda: service.cut(run), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"})
 
-    return ChatPath(read_body, chat_answer, refused, answered)
+    return ChatPath(read_body, chat_answer, refused, answered, count)
 
 
 class TokenizeRequest(BaseModel):

@@ -119,6 +119,50 @@ class ResponsesRequest(BaseModel):
                 if not (v is None and k in fields and not fields[k].is_required())}
 
 
+class InputTokensRequest(BaseModel):
+    """``POST /v1/responses/input_tokens`` (the SDK's ``responses.input_tokens.count``): the
+    fields of a Responses body that make its prompt, checked as ``/v1/responses`` checks
+    them (:func:`counted_body`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]] | None = None
+    instructions: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    truncation: StrictStr | None = None
+    # refused unless neutral, as on /v1/responses
+    previous_response_id: Any = None
+    conversation: Any = None
+    reasoning: Any = None
+    personality: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+
+
+def counted_body(body: InputTokensRequest) -> ChatRequest:
+    """The chat body whose prompt is the input ``body`` counts: the Responses body of the
+    same fields (:func:`unsupported` and :func:`chat_body` check it, as /v1/responses)."""
+    if body.personality is not None:
+        raise refuse(f"personality={shown(body.personality, 80)}: the served model has one "
+                     "personality", "personality")
+    if body.input is None:
+        raise refuse("input: missing, give the input to count (a string or a list of items)",
+                     "input")
+    fields = body.model_dump(exclude_none=True, exclude={"personality"})
+    responses = ResponsesRequest.model_validate(fields)
+    unsupported(responses)
+    return chat_body(responses)
+
+
 def refuse(message: str, param: str) -> Refusal:
     return Refusal(invalid(message), param)
 
@@ -715,6 +759,18 @@ def add_routes(app: FastAPI, service: CompletionService, chat: ChatPath) -> None
         return wire.BoundedStreamingResponse(
             _relay(result, EventStream(answer)), result.bounds, result.until, result.on_cut,
             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/responses/input_tokens")
+    async def input_tokens(request: Request) -> Response:
+        """The prompt tokens a Responses body would be admitted with, nothing generated
+        (OpenAI's ``{"object": "response.input_tokens", "input_tokens": N}``); refusals are
+        /v1/responses' own, not counted as failed requests."""
+        try:
+            body = await chat.read(request, InputTokensRequest)
+            count = chat.count(counted_body(body))
+        except Refusal as err:
+            return chat.answered(responses_refusal(err))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
     def not_stored(response_id: str) -> Response:
         return chat.answered(Refusal(Status.failure(
