@@ -752,16 +752,16 @@ def message_text(message: ChatMessage, index: int) -> str:
     for j, part in enumerate(message.content):
         at = f"messages[{index}].content[{j}]"
         kind = part.get("type")
-        key = ("text" if kind in TEXT_PARTS
-               else "refusal" if kind == "refusal" and message.role == "assistant" else None)
-        if key is None:
+        field = ("text" if kind in TEXT_PARTS
+                 else "refusal" if kind == "refusal" and message.role == "assistant" else None)
+        if field is None:
             raise Refusal(invalid(f"{at}.type={shown(kind, 80)}: only text parts are "
                                   f"supported ({', '.join(TEXT_PARTS)}; refusal in an "
                                   "assistant message)"), f"messages.{index}.content.{j}.type")
-        if not isinstance(part.get(key), str):
-            raise Refusal(invalid(f"{at}.{key}={shown(part.get(key), 80)}: must be a string"),
-                          f"messages.{index}.content.{j}.{key}")
-        texts.append(part[key])
+        if not isinstance(part.get(field), str):
+            raise Refusal(invalid(f"{at}.{field}={shown(part.get(field), 80)}: must be a string"),
+                          f"messages.{index}.content.{j}.{field}")
+        texts.append(part[field])
     return "\n".join(texts)
 
 
