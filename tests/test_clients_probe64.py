@@ -207,3 +207,37 @@ def test_responses_input_tokens_refuses_what_responses_refuses_naming_it(
     error = caught.value.body
     assert isinstance(error, dict)
     assert error["param"] == param and error["message"].startswith(start), error
+
+
+@pytest.mark.parametrize(("call", "route", "why"), [
+    (lambda c: c.embeddings.create(model=MODEL, input="hi"), "POST /v1/embeddings",
+     "the served model generates text: embeddings, scores and classifications (pooling) are "
+     "not served"),
+    (lambda c: c.moderations.create(input="hi"), "POST /v1/moderations",
+     "moderation is not performed by this server"),
+    (lambda c: c.images.generate(prompt="a cat"), "POST /v1/images/generations",
+     "the served model reads and writes text only"),
+    (lambda c: c.files.list(), "GET /v1/files", "this server stores nothing"),
+    (lambda c: c.chat.completions.retrieve("chatcmpl-1"), "GET /v1/chat/completions/chatcmpl-1",
+     "this server stores nothing"),
+], ids=["embeddings", "moderations", "images", "files", "stored-chat"])
+def test_an_openai_endpoint_not_served_says_why(client: openai.OpenAI, call, route, why):
+    """The SDK's ``embeddings.create`` (LangChain's ``OpenAIEmbeddings``, llama-index's
+    ``OpenAIEmbedding``), ``moderations``, ``images``, ``files`` and the stored completions'
+    ``chat.completions.retrieve`` were each a 404 ``no such route (docs/server.md lists
+    them)``: the user could not tell a wrong base URL from an endpoint this server does not
+    serve. The 404 (``code: not_found``) now says why."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        call(client)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "not_found", error
+    assert error["message"].startswith(f"{route}: no such route: {why}"), error
+    assert error["message"].endswith("(docs/server.md lists them)"), error
+
+
+def test_an_unknown_path_is_still_no_such_route_alone(client: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.post("/completions/", cast_to=object, body={"prompt": "hi"})
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["message"] == "POST /v1/completions/: no such route (docs/server.md lists them)"

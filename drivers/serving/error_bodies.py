@@ -93,6 +93,40 @@ def error_body(status: Status, param: str | None = None,
             "code": OPENAI_CODE.get(status.code, status.code), "param": param}
 
 
+#: the OpenAI (and vLLM) endpoints this server does not serve -> why, in the 404 a client
+#: calling one gets (a path equal to one, or under it): "no such route" alone left a user of
+#: the SDK's ``embeddings.create`` (LangChain's ``OpenAIEmbeddings``, llama-index's
+#: ``OpenAIEmbedding``) to guess whether the path, the server or the model was wrong
+NOT_SERVED: dict[str, str] = {
+    **dict.fromkeys(("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                     "/v2/rerank", "/classify", "/v1/classify"),
+                    "the served model generates text: embeddings, scores and classifications "
+                    "(pooling) are not served"),
+    "/v1/moderations": "moderation is not performed by this server",
+    **dict.fromkeys(("/v1/audio", "/v1/images", "/v1/realtime", "/v1/videos"),
+                    "the served model reads and writes text only"),
+    **dict.fromkeys(("/v1/files", "/v1/uploads", "/v1/batches", "/v1/fine_tuning",
+                     "/v1/vector_stores", "/v1/assistants", "/v1/threads", "/v1/conversations",
+                     "/v1/containers", "/v1/evals", "/v1/chat/completions/"),
+                    "this server stores nothing (files, batches, stored completions, "
+                    "conversations, assistants): send each request whole"),
+}
+
+
+def not_served(path: str) -> str | None:
+    """Why ``path`` (no route here) is an endpoint this server does not serve, or None: the
+    path itself or one under it (a key ending in ``/``: one under it only, the stored
+    completions' ``/v1/chat/completions/{id}``, not the chat route with a stray slash)."""
+    for prefix, why in NOT_SERVED.items():
+        if prefix.endswith("/"):
+            hit = path.startswith(prefix) and len(path) > len(prefix)
+        else:
+            hit = path == prefix or path.startswith(prefix + "/")
+        if hit:
+            return why
+    return None
+
+
 def route_error(method: str, path: str, http_status: int,
                 headers: dict[str, str] | None = None) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
@@ -104,8 +138,10 @@ def route_error(method: str, path: str, http_status: int,
                                 Phase.VALIDATE, f"{method} {path}: method not allowed "
                                 f"(allowed: {allowed})")
     else:
+        why = not_served(path)
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
-                                f"{method} {path}: no such route (docs/server.md lists them)")
+                                f"{method} {path}: no such route"
+                                + (f": {why}" if why else "") + " (docs/server.md lists them)")
     return error_response(status, None, http_status=http_status, headers=headers)
 
 
