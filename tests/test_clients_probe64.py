@@ -241,3 +241,24 @@ def test_an_unknown_path_is_still_no_such_route_alone(client: openai.OpenAI):
     error = caught.value.body
     assert isinstance(error, dict)
     assert error["message"] == "POST /v1/completions/: no such route (docs/server.md lists them)"
+
+
+@pytest.mark.parametrize(("stop", "finish", "arguments"), [
+    ("499", "stop", '{"a":-'),  # inside the arguments: no whole call
+    ("</tool_call>", "tool_calls", '{"a":-499268}'),  # the closing markup: the call is whole
+    ("}\n", "tool_calls", '{"a":-499268}'),
+])
+def test_a_stop_string_in_a_required_call_ends_it_alike_whole_and_streamed(
+        client: openai.OpenAI, stop, finish, arguments):
+    """A ``stop`` string met inside a ``required`` call's output: the whole answer said
+    ``finish_reason: "tool_calls"`` whatever the cut (of arguments ``{"a":-``, no JSON: a
+    client executed a call that was never whole), the stream ``"stop"`` whatever the cut
+    (of a call whose closing markup alone the stop string took, the arguments whole, where
+    vLLM's parser reads the call). Both now say ``"tool_calls"`` when the last call's
+    arguments are whole and ``"stop"`` when the stop string cut them; the calls and content
+    are the same whole and streamed."""
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TWICE], "tool_choice": "required",
+              "max_tokens": 120, "temperature": 0, "stop": [stop]}
+    whole = _whole(client, **kwargs)
+    assert whole == (None, [("f", arguments)], finish)
+    assert _streamed(client, **kwargs) == whole

@@ -1322,9 +1322,9 @@ class ToolCallStream:
                 end = rest.find(self._END)
                 upto = end if end >= 0 else _args_ready(rest, self._END)
                 if end < 0 and final and upto < len(rest) and \
-                        not _whole_json(self._text[self._args:self._at + upto]):
+                        not whole_json(self._text[self._args:self._at + upto]):
                     upto = len(rest)  # cut inside the arguments: as generated
-                if end < 0 and final and not _whole_json(self._text[self._args:self._at + upto]):
+                if end < 0 and final and not whole_json(self._text[self._args:self._at + upto]):
                     self.args_cut = True
                 if upto:
                     deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {
@@ -1373,7 +1373,7 @@ class ToolCallStream:
         elif piece:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
         if final:
-            whole = _whole_json(self._text)
+            whole = whole_json(self._text)
             self.complete = int(whole)
             self.cut = self.args_cut = not whole
         return deltas
@@ -1402,7 +1402,7 @@ def _open_prefix(text: str) -> int:
     return 0
 
 
-def _whole_json(text: str) -> bool:
+def whole_json(text: str) -> bool:
     """``text`` is one JSON value (a cut call's arguments, whole before the held end)."""
     try:
         json.loads(text)

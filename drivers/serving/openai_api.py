@@ -2328,6 +2328,11 @@ class _ToolChatShape(_ChatShape):
         return chunks
 
     def _finish(self, run: RequestRun, calls: int) -> str | None:
+        """``"tool_calls"`` when the output ended (not at ``max_tokens``) with ``calls``
+        whole calls made: a stop string that cut the last call's arguments leaves
+        ``"stop"``, whole and streamed alike (the whole answer said ``"tool_calls"`` of
+        arguments that are no JSON, the stream ``"stop"`` even of a call whose closing
+        markup alone the stop string cut)."""
         if calls and run.finish_reason == "stop" and not self.named:
             return "tool_calls"
         return run.finish_reason
@@ -2338,7 +2343,8 @@ class _ToolChatShape(_ChatShape):
         choice = answer["choices"][0]
         choice["message"] = {"role": "assistant", "content": content,
                              **({"tool_calls": calls} if calls else {})}
-        choice["finish_reason"] = self._finish(run, len(calls))
+        whole = bool(calls) and grammar.whole_json(calls[-1]["function"]["arguments"])
+        choice["finish_reason"] = self._finish(run, len(calls) if whole else 0)
         return answer
 
     def _chunk(self, delta: dict[str, Any], run: RequestRun, token_ids: list[int],
@@ -2360,7 +2366,7 @@ class _ToolChatShape(_ChatShape):
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         deltas = self.calls.feed(text, final=True)
-        finish = self._finish(run, 0 if self.calls.cut else self.calls.complete)
+        finish = self._finish(run, 0 if self.calls.args_cut else self.calls.calls)
         ids, self.held_ids = self.held_ids + _stop_ids(run), []
         chunk = self._chunk(_merged(deltas) if deltas else {}, run, ids, finish)
         chunk["choices"][0]["stop_reason"] = run.stop_reason
