@@ -1282,7 +1282,7 @@ class ToolCallStream:
     OpenAI streams it, a first ``tool_calls`` delta with its ``index``, ``id``, ``type`` and
     ``function.name`` (``arguments`` empty), then ``function.arguments`` pieces as they are
     generated. Text that may still open a call (a prefix of ``<tool_call>``) or end one is
-    held back until it is known. ``calls``: calls opened; ``complete``: calls closed.
+    held back until it is known. ``calls``: calls opened.
     ``named``: ``tool_choice`` named this function, whose arguments alone the output is (no
     markup, chat_structure): its one call opens with the first text, every piece is its
     arguments. ``forced`` (``tool_choice`` "required"): the output is calls only, so an end
@@ -1303,7 +1303,6 @@ class ToolCallStream:
         self._in_call = False
         self._args = 0  # where the open call's arguments start in _text
         self.calls = 0
-        self.complete = 0
         #: the output ended inside a call, or with one opened but not named (max_tokens)
         self.cut = False
         #: the output ended inside a call's arguments (not one JSON value yet): the stream
@@ -1335,7 +1334,6 @@ class ToolCallStream:
                     return deltas
                 self._at += end + len(self._END)
                 self._in_call = False
-                self.complete += 1
                 continue
             start = rest.find(CALL_OPEN)
             while start >= 0 and not _may_open(rest[start:]):  # a tag in the text, no call
@@ -1373,9 +1371,7 @@ class ToolCallStream:
         elif piece:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
         if final:
-            whole = whole_json(self._text)
-            self.complete = int(whole)
-            self.cut = self.args_cut = not whole
+            self.cut = self.args_cut = not whole_json(self._text)
         return deltas
 
     def _content(self, text: str, deltas: list[dict[str, Any]], final: bool = False) -> None:
