@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+import needs
 from calexec.drivers.serving import grammar
 from test_server_support import MODEL, openai_server
 
@@ -61,6 +62,7 @@ def test_a_required_call_cut_inside_its_tag_is_no_content_whole_as_streamed(
     opening) is content null (stop 58; docs/server.md: "a ``<tool_call>`` opening cut short
     is no content"). A required answer holds calls only: now content null, no call,
     ``finish_reason: length``."""
+    needs.module("llguidance", "server")
     kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
               "max_tokens": cut, "temperature": 0}
     assert _whole(client, **kwargs) == (None, [], "length")
@@ -76,6 +78,7 @@ def test_a_second_call_cut_inside_its_tag_leaves_the_first_and_no_content(
     The grammar lets only calls follow a call, so that text is markup: now the first call,
     content null, whole and streamed alike (docs/server.md: "cut ... in the opening of one
     more call has the calls")."""
+    needs.module("llguidance", "server")
     base = {"model": MODEL, "messages": MESSAGES, "tools": [TWICE], "tool_choice": "required",
             "temperature": 0}
     content, calls, _ = _whole(client, **base, max_tokens=200)
@@ -181,6 +184,7 @@ def test_responses_input_tokens_count_is_the_prompt_a_response_is_admitted_with(
     answers OpenAI's ``response.input_tokens`` object: the ``usage.input_tokens`` of the
     response to the same body (instructions, tools and tool round trips rendered as the
     Responses route renders them)."""
+    needs.module("llguidance", "server")
     counted = client.responses.input_tokens.count(model=MODEL, **body)
     assert counted.object == "response.input_tokens"
     answered = client.responses.create(model=MODEL, max_output_tokens=1, **body)
@@ -257,6 +261,7 @@ def test_a_stop_string_in_a_required_call_ends_it_alike_whole_and_streamed(
     vLLM's parser reads the call). Both now say ``"tool_calls"`` when the last call's
     arguments are whole and ``"stop"`` when the stop string cut them; the calls and content
     are the same whole and streamed."""
+    needs.module("llguidance", "server")
     kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TWICE], "tool_choice": "required",
               "max_tokens": 120, "temperature": 0, "stop": [stop]}
     whole = _whole(client, **kwargs)
