@@ -441,7 +441,7 @@ class _Closer:
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 out[key] = {name: self.closed(sub) for name, sub in value.items()}
             elif key == "pattern" and isinstance(value, str):
-                out[key] = anchored(value)
+                out[key] = anchored(LOOKAROUND_FREE.get(value, value))
             elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list) \
                     and (key == "allOf" or merging or not closing):
                 out[key] = [self.closed(sub, closing=False) for sub in value]
@@ -677,6 +677,19 @@ class _Closer:
         return self.opened[ref]
 
 
+#: patterns clients write with a look-around (which llguidance's regexes do not implement: "regex
+#: parse error ... look-around, including look-ahead and look-behind, is not supported") and
+#: the same language without one. pydantic v2 writes the first for every ``Decimal`` field
+#: (``anyOf: [{"type": "number"}, {"type": "string", "pattern": ...}]``, its
+#: ``model_json_schema()``): until stop 64 every model with a ``Decimal`` field (a price) was
+#: a 400, under ``.parse()``, Instructor, langchain alike. "Not only signs and dots" is "a
+#: digit somewhere": an integer part of one digit or more, or none and a fraction of one
+#: digit or more (``0*\d*`` is ``\d*``).
+LOOKAROUND_FREE = {
+    r"^(?!^[-+.]*$)[+-]?0*\d*\.?\d*$": r"^[+-]?(?:\d+\.?\d*|\.\d+)$",
+}
+
+
 def anchored(pattern: str) -> str:
     """A schema's ``pattern`` matched against the whole string, as vLLM's default backend
     matches it (xgrammar converts the regex to a grammar of the whole string, a leading ``^``
@@ -862,10 +875,98 @@ def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
     _integer_bounds(schema, param)
     _finite(schema, param)
     try:
-        options: Any = {**JSON_OPTIONS, "lenient": not strict}  # llguidance's JsonCompileOptions
+        lenient: Any = {**JSON_OPTIONS, "lenient": True}  # llguidance's JsonCompileOptions
+        grammar = LLMatcher.grammar_from_json_schema(schema, overrides=lenient)
+    except ValueError as err:
+        raise GrammarError(param, f"{param}: llguidance cannot compile it: {err}") from None
+    _unapplied(grammar, schema, param)  # (lenient compiles name them; strict ones refuse)
+    if not strict:
+        return grammar
+    try:
+        options: Any = {**JSON_OPTIONS, "lenient": False}
         return LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as err:
         raise GrammarError(param, f"{param}: llguidance cannot compile it: {err}") from None
+
+
+#: how llguidance 1.9.1 names, among a lenient compile's warnings, the keywords it ignored
+UNIMPLEMENTED = "Unimplemented keys: "
+#: what to write instead of a keyword llguidance does not apply (said in the refusal)
+INSTEAD = {
+    "if": "write the cases as anyOf branches, each with the properties it requires",
+    "then": "write the cases as anyOf branches, each with the properties it requires",
+    "else": "write the cases as anyOf branches, each with the properties it requires",
+    "uniqueItems": "a pydantic set[...] or frozenset[...] field writes it: declare a list",
+    "dependentSchemas": "write the cases as anyOf branches",
+    "dependentRequired": "write the cases as anyOf branches",
+    "dependencies": "write the cases as anyOf branches",
+}
+
+
+def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
+    """Refuse a schema holding a keyword llguidance does not apply (its lenient compile
+    names them among its warnings: ``if``/``then``/``else``, ``not``, ``uniqueItems``,
+    ``contains``, ``propertyNames``, ``dependentSchemas``, ``dependentRequired``,
+    ``unevaluatedProperties`` beside an applicator :func:`closed_schema` cannot rewrite...),
+    naming the keyword and its JSON pointer. Until stop 64 such a keyword was ignored
+    without a word unless ``strict`` was true (and then the 400 named no place): ``{"if":
+    {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]}}`` was answered
+    ``{"kind":"a"}``, and ``"uniqueItems": true`` ``[1,1]``, answers that do not validate
+    against the schema. llguidance implements no ``not`` either, so a conditional cannot be
+    rewritten as ``anyOf: [{allOf: [if, then]}, {allOf: [{not: if}, else]}]``: it is
+    refused, as OpenAI's strict mode refuses a keyword it does not support."""
+    from llguidance import LLMatcher
+    _, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    keys: list[str] = []
+    for message in messages:
+        if message.startswith(UNIMPLEMENTED):
+            try:
+                named = json.loads(message[len(UNIMPLEMENTED):])
+            except ValueError:
+                named = [message[len(UNIMPLEMENTED):]]
+            keys.extend(str(key) for key in (named if isinstance(named, list) else [named]))
+    if not keys:
+        return
+    key, pointer = _keyword_place(schema, keys)
+    instead = INSTEAD.get(key)
+    raise GrammarError(param, f"{param}: {json.dumps(key)} at {pointer or '/'} (a JSON "
+                              "pointer into the schema) is a keyword llguidance, which "
+                              "compiles the schema to a grammar, does not apply: an answer "
+                              "could break it, so the schema is refused (as OpenAI's strict "
+                              f"mode refuses it); leave it out"
+                              + (f" ({instead})" if instead else ""))
+
+
+def _keyword_place(schema: Any, keys: Sequence[str]) -> tuple[str, str]:
+    """(the first of ``keys`` found as a keyword of a schema in ``schema``, breadth first,
+    and the JSON pointer of the schema holding it), else (the first key, ""). Only schemas
+    are looked at (a property named ``if`` is a name, a ``const`` a value), not the open
+    copies :func:`closed_schema` adds to ``$defs`` (their originals are walked); the walk is
+    bounded by the body's own nesting limit."""
+    wanted = set(keys)
+    todo: list[tuple[str, Any]] = [("", schema)]
+    while todo:
+        where, node = todo.pop(0)
+        if not isinstance(node, dict):
+            continue
+        for key in node:
+            if key in wanted:
+                return key, f"{where}/{_escaped(key)}"
+        for key, value in node.items():
+            at = f"{where}/{_escaped(key)}"
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo.extend((f"{at}/{_escaped(name)}", sub) for name, sub in value.items()
+                            if not (key == "$defs" and name.startswith(_OPEN_PREFIX)))
+            elif key in _SUBSCHEMAS and isinstance(value, list):
+                todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
+            elif key in _SUBSCHEMAS:
+                todo.append((at, value))
+    return keys[0], ""
+
+
+def _escaped(name: str) -> str:
+    """``name`` as a JSON pointer's reference token (RFC 6901)."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 #: a schema's range keywords, and the keywords whose value is a JSON value, not a schema
