@@ -237,6 +237,26 @@ def test_a_deadline_mid_stream_ends_with_response_failed(live):
     assert any(k == "response.output_text.delta" for k, _ in events)
 
 
+def test_a_failed_stream_says_the_tokens_it_used(live):
+    """``response.failed`` carried ``usage: null`` (the chat stream's usage came only with its
+    last chunk, which a failed stream never sends): now the usage so far, as OpenAI's failed
+    response carries it (the SDK's ``ResponseUsage``): the prompt's tokens and at least one
+    output token per text delta sent."""
+    server, _, _ = live
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=30, json={
+            "input": "x", "stream": True, "max_output_tokens": 30000, "timeout": 0.5}) as r:
+        assert r.status_code == 200
+        events = _events(r.read().decode())
+    kind, data = events[-1]
+    assert kind == "response.failed", kind
+    usage = ResponseFailedEvent.model_validate(data).response.usage
+    assert usage is not None, data["response"]
+    deltas = sum(k == "response.output_text.delta" for k, _ in events)
+    assert usage.input_tokens == len(tokenizer.encode("user: x\nassistant:")), usage
+    assert usage.output_tokens >= deltas > 0, (usage, deltas)
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+
+
 def test_a_deadline_of_a_whole_answer_is_the_chat_routes_504(live):
     server, _, _ = live
     r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={

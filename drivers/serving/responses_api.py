@@ -442,8 +442,10 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": response_format(body.text), "timeout": body.timeout,
         "seed": body.seed, "user": body.user}
-    if body.stream:  # the usage of response.completed
-        given["stream_options"] = {"include_usage": True}
+    if body.stream:  # the usage of response.completed, and of response.failed: each chunk
+        # carries the usage so far (vLLM's continuous_usage_stats), so a stream that fails
+        # says the tokens it used (``usage: null`` until stop 64, where OpenAI's says them)
+        given["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if wants_logprobs(body):  # chat's logprobs, its top_logprobs the same
         given["logprobs"], given["top_logprobs"] = True, body.top_logprobs or 0
     try:
