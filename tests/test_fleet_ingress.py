@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pydantic
 import pytest
+from openai.types.responses import ResponseErrorEvent, ResponseStreamEvent
 
 from calexec.drivers.fleet.edge import RELAYED_FROM
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress, request_timeout
@@ -487,9 +489,12 @@ def test_a_sibling_s_other_refusal_after_the_response_started_ends_it_uncounted(
 
 
 # ---- stop 63: the Responses API behind the ingress ---------------------------------------------
-RESPONSES_EVENTS = [b'event: response.created\ndata: {"type":"response.created"}\n\n',
-                    b'event: response.output_text.delta\ndata: {"delta":"a"}\n\n',
-                    b'event: response.completed\ndata: {"type":"response.completed"}\n\n']
+RESPONSES_EVENTS = [b'event: response.created\ndata: {"type":"response.created",'
+                    b'"sequence_number":0}\n\n',
+                    b'event: response.output_text.delta\ndata: {"type":'
+                    b'"response.output_text.delta","sequence_number":1,"delta":"a"}\n\n',
+                    b'event: response.completed\ndata: {"type":"response.completed",'
+                    b'"sequence_number":2}\n\n']
 
 
 class ResponsesReplica:
@@ -551,6 +556,48 @@ def test_a_responses_stream_that_started_is_not_resumed_on_a_sibling():
     assert not r2.requests and client.ended and len(client.starts) == 1
     assert client.content.startswith(RESPONSES_EVENTS[0])
     last = [e for e in client.content.split(b"\n\n") if e][-1]
-    error = json.loads(last.removeprefix(b"data: "))["error"]
-    assert "not continued on a sibling" in error["message"], error
+    assert last.startswith(b"event: error\ndata: "), last
+    error = ResponseErrorEvent.model_validate_json(last.removeprefix(b"event: error\ndata: "))
+    assert "not continued on a sibling" in error.message, error
     assert b"response.completed" not in client.content and app.failovers == {}
+
+
+def test_a_responses_stream_the_ingress_ends_ends_with_a_responses_error_event():
+    """Stop 64: the ingress ended a Responses stream whose replica died with chat's error
+    event (``data: {"error": {...}}``, no ``type``), which no Responses event type parses: a
+    client reading the Responses' events could not tell what happened. Now the Responses
+    ``error`` event (the SDK's ``ResponseErrorEvent``, one of its ``ResponseStreamEvent``
+    union) numbered after the last event the client got, chat's code in the message."""
+    r1 = ResponsesReplica("r1", how="raise")
+    app = ingress(Router(r1, ResponsesReplica("r2")))
+    client = run(app, Client(RESPONSES_BODY, path="/v1/responses"))
+    last = [e for e in client.content.split(b"\n\n") if e][-1]
+    name, _, data = last.partition(b"\ndata: ")
+    assert name == b"event: error", last
+    event = pydantic.TypeAdapter(ResponseStreamEvent).validate_json(data)
+    assert isinstance(event, ResponseErrorEvent), event
+    assert event.sequence_number == 1 and event.code == "server_error", event
+    assert event.message.endswith("(lifecycle.unavailable)"), event
+    assert "replica_died at r1" in event.message, event
+
+
+class SplitResponsesReplica(ResponsesReplica):
+    """Its first two events, the second cut inside its ``sequence_number``, then it dies."""
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        yield {"type": PROGRESS_TYPE, "replica": self.name}
+        yield {"type": "http.response.start", "status": 200,
+               "headers": [(b"content-type", b"text/event-stream")]}
+        cut = RESPONSES_EVENTS[1].index(b'"sequence_number":') + len(b'"sequence_number":')
+        for body in (RESPONSES_EVENTS[0] + RESPONSES_EVENTS[1][:cut], RESPONSES_EVENTS[1][cut:]):
+            yield {"type": "http.response.body", "body": body, "more_body": True}
+        raise RuntimeError("ActorDiedError: the replica's process died")
+
+
+def test_the_error_event_follows_a_sequence_number_cut_between_two_chunks():
+    client = run(ingress(Router(SplitResponsesReplica("r1"))),
+                 Client(RESPONSES_BODY, path="/v1/responses"))
+    last = [e for e in client.content.split(b"\n\n") if e][-1]
+    event = ResponseErrorEvent.model_validate_json(last.partition(b"\ndata: ")[2])
+    assert event.sequence_number == 2, event

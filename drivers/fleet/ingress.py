@@ -50,7 +50,9 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    answered), within the same budget. It reports no progress and is never resumed: a sibling
    would send its events again from ``response.created`` under another id. Once its answer
    started, a replica's failure ends it: a whole answer left unfinished (the client sees an
-   incomplete body), a stream with the SSE error event (the SDK raises it). Until stop 63 it
+   incomplete body), a stream with the Responses API's ``error`` event
+   (:func:`responses_error`: chat's SSE error event until stop 64, which no Responses event
+   type parses). Until stop 63 it
    was forwarded once and cut at ``route_timeout_s`` (10 s) whatever its ``timeout``: a 504
    for any generation longer than that.
 5. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
@@ -89,6 +91,7 @@ import collections
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -136,6 +139,13 @@ CAUSES = ("replica_died", "drained", "unavailable")
 #: first byte, never resumed (module docstring, 4): the Responses API's events cannot be
 #: continued by a sibling, which would start them again under another id
 RERUN_ROUTES = frozenset({("POST", "/v1/responses")})
+#: the Responses API's route: a failure in its stream is said as a Responses ``error`` event
+RESPONSES = ("POST", "/v1/responses")
+#: an event's ``sequence_number`` as the server writes it (compact JSON, right after ``type``;
+#: inside a string value a quote is escaped, so no text matches it) and how much of the bytes
+#: forwarded is kept to find one cut between two chunks
+SEQUENCE = re.compile(rb'"sequence_number":([0-9]{1,18})')
+SEQUENCE_TAIL = 128
 #: why a response of ``RERUN_ROUTES`` that started is not failed over (said to the client)
 NOT_RESUMED = ("a /v1/responses answer that started is not continued on a sibling (a sibling "
                "would send its events again from response.created); send it again")
@@ -191,6 +201,21 @@ class _Client:
     slack_s: float = 0.5  # ...and every send may wait at least this long
     replica: str | None = None  # the replica answering now, once it named itself
     sse: bool = False  # the response that started is an SSE stream (``text/event-stream``)
+    #: a Responses API stream (``RESPONSES``): its failure is a Responses ``error`` event
+    responses: bool = False
+    #: the highest ``sequence_number`` of the Responses events forwarded (-1: none yet)
+    sequence: int = -1
+    #: the end of the bytes forwarded (an event's number may straddle two chunks)
+    tail: bytes = b""
+
+    def forwarded(self, chunk: bytes) -> None:
+        """Note the ``sequence_number`` of the Responses events in ``chunk`` (forwarded)."""
+        if not self.responses or not chunk:
+            return
+        seen = self.tail + chunk
+        for number in SEQUENCE.findall(seen):
+            self.sequence = max(self.sequence, int(number))
+        self.tail = seen[-SEQUENCE_TAIL:]
 
     def resume(self, deadline: float) -> dict[str, Any]:
         admitted = self.admitted or {}
@@ -365,7 +390,8 @@ class FleetIngress:
                    else self.route_bound(scope)[0])
         deadline = time.monotonic() + timeout
         slack = self.settings.deadline_slack_s
-        client = _Client(cut_at=deadline + slack, slack_s=slack)
+        client = _Client(cut_at=deadline + slack, slack_s=slack,
+                         responses=(scope.get("method"), route_path(scope)) == RESPONSES)
         avoid: list[str] = []
         watching = asyncio.ensure_future(wait_disconnect(receive))
         forwarding: asyncio.Future[_Outcome] | None = None
@@ -554,6 +580,7 @@ class FleetIngress:
                     kind_of = header_of({"headers": headers}, b"content-type") or ""
                     client.sse = kind_of.lower().startswith("text/event-stream")
                 await _to_client(send, message, client)
+                client.forwarded(chunk)
                 if chunk:
                     client.opened = True
                     client.complete = client.final
@@ -610,6 +637,8 @@ class FleetIngress:
             # closes the connection (the client sees an incomplete body)
         chunk = outcome.error_chunk or sse_error(outcome.held) or wire.sse(
             {"error": error_bodies.error_body(unavailable(outcome))})
+        if client.responses:
+            chunk = responses_error(chunk, client.sequence + 1)
         await send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
@@ -647,6 +676,30 @@ def sse_error(held: tuple[Message, bytes] | None) -> bytes | None:
     except (ValueError, KeyError, TypeError):
         return None
     return wire.sse({"error": error})
+
+
+def responses_error(chunk: bytes, sequence: int) -> bytes:
+    """Chat's SSE error event ``chunk`` (``data: {"error": {...}}``) as the Responses API's
+    ``error`` event (``event: error``, ``{"type": "error", "code", "message", "param",
+    "sequence_number"}``, the SDK's ``ResponseErrorEvent``), numbered ``sequence`` (after the
+    last event the client got). Until stop 64 a Responses stream the ingress ended (its
+    replica died mid-stream) ended with chat's shape, no ``type``: a client reading the
+    Responses' events (the SDK's typed union, the Agents SDK) could not parse it. ``code`` as
+    the server's ``response.failed`` says it (``rate_limit_exceeded`` for a rate limit, else
+    ``server_error``), chat's own code at the end of the message."""
+    try:
+        error = json.loads(chunk.removeprefix(b"data: "))["error"]
+    except (ValueError, KeyError, TypeError):
+        error = None
+    if not isinstance(error, dict):
+        error = {"message": "the response failed"}
+    code = "rate_limit_exceeded" if error.get("type") == "rate_limit_error" else "server_error"
+    message = str(error.get("message") or "the response failed")
+    if error.get("code") and error["code"] != code:
+        message = f"{message} ({error['code']})"
+    data = {"type": "error", "sequence_number": sequence, "code": code, "message": message,
+            "param": error.get("param")}
+    return b"event: error\ndata: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 def request_timeout(body: bytes, default: float) -> float:
