@@ -232,8 +232,10 @@ def test_an_integer_near_minus_2_to_the_63_is_a_400_not_a_crash(served, schema, 
     error = _refused(sdk, schema)
     assert f"response_format.json_schema.{where}: {what} llguidance cannot take" \
         in error["message"], error
-    # the least integer it takes is served, and so is the next request
-    fine = {"enum": [-(2 ** 63) + 2 ** 11, 2 ** 63, 2 ** 53]}
+    # the least integer it takes is served, and so is the next request (10^19, not 2^63: from
+    # 2^63 up a number is written as a double's shortest digits, 2^63 as 9223372036854776000,
+    # a 400 since stop 64)
+    fine = {"enum": [-(2 ** 63) + 2 ** 11, 10 ** 19, 2 ** 53]}
     answer = sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": fine}})

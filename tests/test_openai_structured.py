@@ -736,6 +736,55 @@ def test_a_keyword_llguidance_ignores_is_refused_naming_its_pointer(llguidance, 
     assert "does not apply" in message and "leave it out" in message, message
 
 
+BIG = 10 ** 19  # past 2^63, its digits kept by a double's shortest form
+
+
+@pytest.mark.parametrize("schema,text", [
+    pytest.param({"type": "object", "properties": {"n": {"type": "integer"},
+                                                   "big": {"const": BIG}},
+                  "required": ["big"]}, '{"big":10000000000000000000}',
+                 id="const_beside_an_integer_property"),
+    pytest.param({"type": "object", "properties": {"n": {"type": "integer"}, "big": {
+        "type": "array", "items": {"enum": [BIG, 1.5e19]}}}, "required": ["big"]},
+                 '{"big":[15000000000000000000,10000000000000000000]}',
+                 id="enum_in_an_array_beside_an_integer"),
+])
+def test_a_big_const_of_no_integer_type_beside_an_integer_is_served_as_written(
+        llguidance, schema, text):
+    """Until stop 64 any node of no ``type`` holding a number past 2^63-1 was a 400 ("an
+    integer bound llguidance caps at 2^63-1") wherever the schema declared an integer, though
+    a property's value takes no type from its neighbours and llguidance writes it as given.
+    It is served (every byte of the answer allowed), and a type that does reach it (an
+    ``allOf`` member, a parent over its branches) still refuses it."""
+    rf = {"type": "json_schema", "json_schema": {"name": "b", "schema": schema}}
+    plan = grammar.completion_structure(rf, ByteTokenizer(), 151936, 151643)
+    assert _refused_at(plan, text) is None
+    for reached in ({"allOf": [{"type": "integer"}, {"const": BIG}]},
+                    {"type": "integer", "anyOf": [{"const": BIG}]},
+                    {"$defs": {"B": {"const": BIG}}, "type": "integer", "$ref": "#/$defs/B"}):
+        message = _refusal(reached)
+        assert message is not None and "caps at 2^63-1" in message, (reached, message)
+
+
+@pytest.mark.parametrize("schema,where", [
+    pytest.param({"const": 2 ** 63}, "schema.const=9223372036854775808", id="const"),
+    pytest.param({"type": "object", "properties": {"x": {"type": "number", "enum": [
+        1, 2 ** 64 - 2048]}}}, "schema.properties.x.enum[1]=18446744073709549568",
+                 id="number_enum"),
+])
+def test_a_const_past_2_to_the_63_a_double_writes_otherwise_is_refused(llguidance, schema,
+                                                                        where):
+    """From 2^63 up llguidance writes a value of no integer type as a double's shortest
+    digits: ``{"const": 9223372036854775808}`` was answered ``9223372036854776000``
+    (``finish_reason: stop``), another number, which the schema does not allow. Now a 400
+    naming it; one whose digits the shortest form keeps (10^19) is served."""
+    message = _refusal(schema)
+    assert message is not None and f"{where}: an integer llguidance writes as" in message, \
+        message
+    assert "10000000000000000000" in message, message
+    assert _refusal({"const": BIG}) is None
+
+
 class Priced(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     price: decimal.Decimal

@@ -22,6 +22,7 @@ llguidance is imported only when a grammar is compiled (the module itself needs 
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
@@ -785,6 +786,16 @@ def _finite(schema: Any, param: str) -> None:
                             "schema did not allow"), "one a double holds"
             raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance cannot "
                                       f"take as written ({why}): write {fix}, or leave it out")
+        if isinstance(value, int) and not isinstance(value, bool) and value > INT64_MAX \
+                and (".const" in where or ".enum[" in where) \
+                and (written := decimal.Decimal(repr(float(value)))) != value:
+            raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance writes as "
+                                      f"{int(written)}, another number (from 2^63 up it writes a "
+                                      "value of no integer type as a double's shortest digits: "
+                                      "9223372036854775808 was answered 9223372036854776000, "
+                                      "a value the schema does not allow): write one whose "
+                                      "digits a double's shortest form keeps "
+                                      "(10000000000000000000), or leave it out")
         if isinstance(value, dict):
             todo.extend((f"{where}.{key}", item) for key, item in value.items())
         elif isinstance(value, list):
@@ -796,30 +807,58 @@ def _finite(schema: Any, param: str) -> None:
 INT64_MAX = 2 ** 63 - 1
 
 
+#: keywords whose subschemas apply to the same value as the schema holding them (their type
+#: may come from it)
+_SAME_VALUE = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else",
+                         "dependentSchemas", "dependencies"})
+
+
 def _integer_bounds(schema: Any, param: str) -> None:
     """Refuse a bound of an integer llguidance caps at 2^63-1 (:data:`INT64_MAX`): ``{"type":
     "integer", "const": 9223372036854775808}`` (an ``enum`` member, a ``minimum``, an
     ``exclusiveMinimum`` of 2^63-1 alike; ``1e19`` as a float too) was answered
     ``9223372036854775807``, ``finish_reason: stop``, a value the schema does not allow, and a
     ``maximum`` of 2^64-1 (an unsigned 64-bit range) served half its range. A node says it may
-    be an integer by its ``type``; a node of no ``type`` may be one where the schema declares
-    an integer anywhere (its type may come from a parent or an ``allOf`` member, as in
-    ``{"allOf": [{"type": "integer"}, {"const": 1e19}]}``). An integer from 2^64 up is left to
-    :func:`_finite` (llguidance cannot take it at all). The walk is bounded by the body's own
-    nesting limit; values (``const``, ``enum``, ``default``, ``examples``) are not walked as
-    schemas."""
+    be an integer by its ``type``; a node of no ``type`` (or ``"number"``) may be one where its
+    type comes from the same value's other schemas: a parent's ``type`` over its
+    ``allOf``/``anyOf``/``oneOf`` members, an ``allOf`` member beside it (``{"allOf": [{"type":
+    "integer"}, {"const": 1e19}]}``), a ``$ref`` beside it or a definition (which a ``$ref``
+    may reach from anywhere) where the schema declares an integer anywhere. Until stop 64 any
+    node of no ``type`` counted where the schema declared an integer anywhere: ``{"properties":
+    {"n": {"type": "integer"}, "big": {"const": 10000000000000000000}}}`` was a 400, though
+    llguidance writes that const as given (a property's value takes no type from its
+    neighbours). An integer from 2^64 up is left to :func:`_finite` (llguidance cannot take it
+    at all). The walk is bounded by the body's own nesting limit; values (``const``, ``enum``,
+    ``default``, ``examples``) are not walked as schemas."""
     integers = '"integer"' in json.dumps(schema)
-    todo: list[tuple[str, Any]] = [(param, schema)]
+    # (where, node, its type may come from elsewhere: a parent, an allOf member, a $ref)
+    todo: list[tuple[str, Any, bool]] = [(param, schema, False)]
     while todo:
-        where, node = todo.pop()
+        where, node, inherited = todo.pop()
         if isinstance(node, list):
-            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(node))
+            todo.extend((f"{where}[{i}]", item, inherited) for i, item in enumerate(node))
             continue
         if not isinstance(node, dict):
             continue
         types = node.get("type")
         kinds = types if isinstance(types, list) else [types]
-        if "integer" in kinds or (types is None and integers):
+        members = node.get("allOf")
+        beside = isinstance(members, list) and any('"integer"' in json.dumps(member)
+                                                   for member in members)
+        inherited = inherited or beside or ("$ref" in node and integers)
+        same = inherited or "integer" in kinds  # what its members' type may come from
+        for key, item in node.items():
+            if key in VALUE_KEYS:
+                continue
+            # a definition is reached by a $ref from anywhere; another value (a property's,
+            # an item's) has its own type
+            flag = integers if key in ("$defs", "definitions") else \
+                same if key in _SAME_VALUE else False
+            if key in _SCHEMA_MAPS and isinstance(item, dict):  # names -> schemas
+                todo.extend((f"{where}.{key}.{name}", sub, flag) for name, sub in item.items())
+            else:
+                todo.append((f"{where}.{key}", item, flag))
+        if "integer" in kinds or ((types is None or "number" in kinds) and inherited):
             found = [(key, node[key], INT64_MAX - (key == "exclusiveMinimum")
                       + (key == "exclusiveMaximum"))
                      for key in ("const", "minimum", "maximum", "exclusiveMinimum",
@@ -840,8 +879,6 @@ def _integer_bounds(schema: Any, param: str) -> None:
                                               "not allow): write one of at most "
                                               "9223372036854774784 (the largest integer "
                                               "below 2^63 a double holds), or leave it out")
-        todo.extend((f"{where}.{key}", item) for key, item in node.items()
-                    if key not in VALUE_KEYS)
 
 
 def _admits_a_value(grammar: str, tokenizer: Any, param: str) -> str:
