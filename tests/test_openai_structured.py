@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import enum
 import json
 import math
 import os
 import re
 import sys
-from typing import Any, Literal
+import uuid
+from typing import Annotated, Any, Literal
 
 import httpx
 import numpy as np
@@ -719,14 +721,14 @@ KIND = {"type": "string", "enum": ["card", "cash"]}
                  '"not" at /$defs/Tag/not', id="not_in_a_definition"),
     pytest.param({"type": "array", "contains": {"const": 1}}, '"contains" at /contains',
                  id="contains"),
-    pytest.param({"type": "object", "additionalProperties": {"type": "integer"},
-                  "propertyNames": {"pattern": "^[a-z]+$"}},
-                 '"propertyNames" at /propertyNames', id="property_names"),
+    pytest.param({"type": "object", "properties": {"a": {"type": "integer"}},
+                  "dependentRequired": {"a": ["b"]}},
+                 '"dependentRequired" at /dependentRequired', id="dependent_required"),
 ])
 def test_a_keyword_llguidance_ignores_is_refused_naming_its_pointer(llguidance, schema, place,
                                                                     strict):
     """``if``/``then``/``else`` (and ``not``, ``dependentSchemas``, ``contains``,
-    ``propertyNames``...) are keywords llguidance does not apply; it implements no ``not``,
+    ``dependentRequired``...) are keywords llguidance does not apply; it implements no ``not``,
     so a conditional cannot be rewritten as ``anyOf`` of ``{allOf: [if, then]}`` and ``{allOf:
     [{not: if}, else]}``. Until stop 64 a schema without strict had them ignored without a
     word (``{"kind":"card"}`` answered where ``then`` required ``number``); with strict the
@@ -806,7 +808,7 @@ def test_the_date_patterns_allow_exactly_the_dates_python_reads():
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(st.datetimes(timezones=st.sampled_from([datetime.timezone.utc, datetime.timezone(
+@given(st.datetimes(timezones=st.sampled_from([datetime.UTC, datetime.timezone(
     datetime.timedelta(hours=-12, minutes=-25)), datetime.timezone(datetime.timedelta(
         hours=5, minutes=30))])))
 def test_every_aware_datetime_python_writes_matches_the_date_time_pattern(moment):
@@ -844,6 +846,56 @@ def test_dates_and_times_the_grammar_writes_parse_as_pydantic_reads_them(llguida
             state.accept(token)
             text.append(token - 256)
         Stamped.model_validate_json(bytes(text))  # raises if it does not parse
+
+
+class Shade(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+def _walks(plan, seeds: range, limit: int = 400) -> list[bytes]:
+    """Random walks of ``plan``'s mask (each allowed token alike), each to where the grammar
+    may end (or ``limit`` bytes)."""
+    texts = []
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        state, text = plan.start(), bytearray()
+        while len(text) < limit:
+            allowed = np.flatnonzero(state.allowed())
+            if 151643 in allowed:
+                break
+            token = int(rng.choice(allowed))
+            state.accept(token)
+            text.append(token - 256)
+        texts.append(bytes(text))
+    return texts
+
+
+@pytest.mark.parametrize("keys", [
+    pytest.param(Literal["a", "b"], id="literal"), pytest.param(Shade, id="enum_ref"),
+    pytest.param(uuid.UUID, id="uuid"), pytest.param(datetime.date, id="date"),
+    pytest.param(Annotated[str, pydantic.Field(max_length=3)], id="max_length"),
+])
+def test_a_pydantic_dict_of_constrained_keys_is_served_with_those_keys(llguidance, keys):
+    """pydantic writes a ``dict`` whose keys are constrained with ``propertyNames``, which
+    llguidance does not apply: until stop 64 the keys were the model's own (``.parse()``
+    failed), then a 400. Its keys are now properties or a patternProperties key, and every
+    answer (random walks of the mask, 20 seeds) parses as the dict type."""
+    adapter = pydantic.TypeAdapter(dict[keys, int])  # type: ignore[valid-type]
+    schema = adapter.json_schema()
+    assert "propertyNames" in schema, schema
+    rf = {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}}
+    plan = grammar.completion_structure(rf, ByteTokenizer(), 151936, 151643)
+    for text in _walks(plan, range(20)):
+        adapter.validate_json(text)  # raises if it does not parse
+
+
+def test_property_names_said_in_two_ways_at_once_is_refused_naming_it(llguidance):
+    """A ``propertyNames`` that is not one ``enum``, ``pattern``, ``format`` or length (here a
+    pattern and a length) is not rewritten: a 400 naming it and its place."""
+    message = _refusal({"type": "object", "additionalProperties": {"type": "integer"},
+                        "propertyNames": {"pattern": "^[a-z]+$", "maxLength": 3}})
+    assert message is not None and '"propertyNames" at /propertyNames' in message, message
 
 
 class Priced(pydantic.BaseModel):

@@ -452,6 +452,8 @@ class _Closer:
                 out[key] = self.closed(value)
             else:
                 out[key] = value
+        if "propertyNames" in out and not merging:
+            self.name_keys(out)
         if merging and closing:
             self.close_merged(schema, out)
         elif not any(key in out for key in _APPLICATORS):
@@ -475,6 +477,62 @@ class _Closer:
                 and "unevaluatedItems" not in out and "additionalItems" not in out:
             out["items"] = False
         return out
+
+    def name_keys(self, out: dict[str, Any]) -> None:
+        """``propertyNames`` (which llguidance does not apply) as the keys it allows, where it
+        says them in one way: an ``enum``/``const`` of strings (a pydantic ``dict[Literal[...],
+        int]`` or ``dict[SomeEnum, int]``, a ``$ref`` to it) becomes those ``properties``, a
+        ``pattern``, a ``format`` (``uuid``, ``date``: a pydantic ``dict[UUID, int]``) or a
+        length (``dict[constr(max_length=3), int]``) one ``patternProperties`` key, each with
+        the schema ``additionalProperties`` gives the other keys, and no other key allowed.
+        Until stop 64 it was ignored (a model wrote keys of its own: ``.parse()`` failed);
+        left as it is (a 400 naming it, :func:`_unapplied`) where it says more, where the
+        object has ``patternProperties`` or ``unevaluatedProperties`` too, or where a
+        declared property's name is not one it allows."""
+        allowed = self.names(out["propertyNames"])
+        own = out.get("properties", {})
+        extra = out.get("additionalProperties", True)
+        if allowed is None or not isinstance(own, dict) or "patternProperties" in out \
+                or "unevaluatedProperties" in out or extra is None \
+                or not all(_allows(allowed, name) for name in own):
+            return
+        out.pop("propertyNames")
+        if extra is False:  # its declared keys alone, each allowed
+            return
+        value = {} if extra is True else extra
+        if isinstance(allowed, list):
+            out["properties"] = {**own, **{name: value for name in allowed if name not in own}}
+        else:
+            out["patternProperties"] = {allowed: value}
+        out["additionalProperties"] = False
+
+    def names(self, names: Any) -> list[str] | str | None:
+        """The keys a ``propertyNames`` schema allows: a list of them, or an anchored regex of
+        them; None where it says them otherwise (or more than one way at once)."""
+        for _ in range(8):  # a $ref to a definition (a pydantic Enum key), bounded
+            if not (isinstance(names, dict) and isinstance(names.get("$ref"), str)
+                    and set(names) - _ANNOTATIONS == {"$ref"}):
+                break
+            names = self.closed(self.resolve(names["$ref"]))
+        if not isinstance(names, dict) or names.get("type", "string") != "string":
+            return None
+        said = {key: value for key, value in names.items()
+                if key not in _ANNOTATIONS and key != "type"}
+        if set(said) == {"const"}:
+            said = {"enum": [said["const"]]}
+        if set(said) == {"enum"} and isinstance(said["enum"], list) \
+                and all(isinstance(name, str) for name in said["enum"]):
+            return list(said["enum"])
+        if set(said) == {"pattern"} and isinstance(said["pattern"], str):
+            return said["pattern"]  # (anchored by the walk)
+        if set(said) == {"format"} and said["format"] in KEY_FORMATS:
+            return KEY_FORMATS[said["format"]]
+        lengths = [said.get("minLength", 0), said.get("maxLength", "")]
+        if said and set(said) <= {"minLength", "maxLength"} and all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 16
+                for n in lengths if n != ""):
+            return f"^(?s:.){{{lengths[0]},{lengths[1]}}}$"
+        return None
 
     def close_merged(self, schema: dict[str, Any], out: dict[str, Any]) -> None:
         """Close a merged parent (:func:`_merging`) on the union of the keys its members
@@ -713,6 +771,26 @@ FORMAT_PATTERNS = {
     "date-time": f"^{_DATE}T{_TIME}$",
     "time": f"^{_TIME}$",
 }
+
+
+#: formats a ``propertyNames`` may give its keys (pydantic's ``dict[UUID, ...]``): the
+#: patterns of :data:`FORMAT_PATTERNS` (which the walk already put in place of theirs) and
+#: RFC 4122's UUID
+KEY_FORMATS = {"uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-"
+                       "[0-9a-fA-F]{12}$"}
+#: keywords that say nothing of a value (a ``propertyNames`` schema may carry them)
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default",
+                          "deprecated", "readOnly", "writeOnly"})
+
+
+def _allows(allowed: list[str] | str, name: str) -> bool:
+    """Whether ``name`` is a key ``allowed`` (:meth:`_Closer.names`) allows."""
+    if isinstance(allowed, list):
+        return name in allowed
+    try:
+        return re.search(allowed, name) is not None
+    except re.error:  # a regex llguidance reads and Python's re does not: not rewritten
+        return False
 
 
 def anchored(pattern: str) -> str:
