@@ -898,6 +898,25 @@ def test_property_names_said_in_two_ways_at_once_is_refused_naming_it(llguidance
     assert message is not None and '"propertyNames" at /propertyNames' in message, message
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_unevaluated_properties_beside_a_lone_ref_closes_on_the_definitions_keys(llguidance,
+                                                                                strict):
+    """``{"$ref": "#/$defs/P", "unevaluatedProperties": false}`` (what a strict-mode schema
+    writer puts beside a reference): llguidance does not apply ``unevaluatedProperties``, so
+    it was ignored without strict and a 400 with it (and with either since this stop's
+    refusal of keywords llguidance does not apply). It is closed on the definition's keys,
+    as beside an ``allOf``: every answer (random walks, 20 seeds) is P's object alone."""
+    pet = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 3}},
+           "required": ["a"]}
+    schema = {"$defs": {"P": pet}, "$ref": "#/$defs/P", "unevaluatedProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "u", "schema": schema,
+                                                 "strict": strict}}
+    plan = grammar.completion_structure(rf, ByteTokenizer(), 151936, 151643)
+    for text in _walks(plan, range(20)):
+        value = json.loads(text)
+        assert set(value) == {"a"} and len(value["a"]) <= 3, text
+
+
 class Priced(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     price: decimal.Decimal

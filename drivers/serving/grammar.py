@@ -393,14 +393,15 @@ BRANCHES_MAX = 256
 def _merging(schema: dict[str, Any]) -> bool:
     """Whether ``schema`` is closed at itself on the keys its members declare
     (:meth:`_Closer.close_merged`), its members left open: an ``allOf``; a ``$ref`` beside
-    its own ``properties``; an ``anyOf``/``oneOf`` beside its own ``properties`` (common
+    its own ``properties`` or beside ``unevaluatedProperties`` (``{"$ref": "#/$defs/P",
+    "unevaluatedProperties": false}``: left beside it, a 400 since stop 64); an ``anyOf``/``oneOf`` beside its own ``properties`` (common
     keys and variants: the parent closed on its own keys and each branch on its own refused
     every object holding both, a 400 ``required property 'c' is unsatisfiable``) or beside
     ``unevaluatedProperties``; an ``if`` beside ``unevaluatedProperties``."""
     if isinstance(schema.get("allOf"), list):
         return True
     own = isinstance(schema.get("properties"), dict)
-    if isinstance(schema.get("$ref"), str) and own:
+    if isinstance(schema.get("$ref"), str) and (own or "unevaluatedProperties" in schema):
         return True
     if any(isinstance(schema.get(key), list) for key in ("anyOf", "oneOf")):
         return (own or "unevaluatedProperties" in schema) \
