@@ -394,10 +394,11 @@ def _merging(schema: dict[str, Any]) -> bool:
     """Whether ``schema`` is closed at itself on the keys its members declare
     (:meth:`_Closer.close_merged`), its members left open: an ``allOf``; a ``$ref`` beside
     its own ``properties`` or beside ``unevaluatedProperties`` (``{"$ref": "#/$defs/P",
-    "unevaluatedProperties": false}``: left beside it, a 400 since stop 64); an ``anyOf``/``oneOf`` beside its own ``properties`` (common
-    keys and variants: the parent closed on its own keys and each branch on its own refused
-    every object holding both, a 400 ``required property 'c' is unsatisfiable``) or beside
-    ``unevaluatedProperties``; an ``if`` beside ``unevaluatedProperties``."""
+    "unevaluatedProperties": false}``: left beside it, a 400 since stop 64); an
+    ``anyOf``/``oneOf`` beside its own ``properties`` (common keys and variants: the parent
+    closed on its own keys and each branch on its own refused every object holding both, a
+    400 ``required property 'c' is unsatisfiable``) or beside ``unevaluatedProperties``; an
+    ``if`` beside ``unevaluatedProperties``."""
     if isinstance(schema.get("allOf"), list):
         return True
     own = isinstance(schema.get("properties"), dict)
@@ -470,7 +471,9 @@ class _Closer:
                     or isinstance(out.get("patternProperties"), dict)) \
                     and "additionalProperties" not in out and "unevaluatedProperties" not in out:
                 out["additionalProperties"] = False
-        served = FORMAT_PATTERNS.get(out.get("format")) if "pattern" not in out else None
+        kind = out.get("format")
+        served = FORMAT_PATTERNS.get(kind) if isinstance(kind, str) and "pattern" not in out \
+            else None
         if served is not None:  # (a pattern applies to strings alone, as a format does)
             out.pop("format")
             out["pattern"] = served
