@@ -917,6 +917,34 @@ def test_unevaluated_properties_beside_a_lone_ref_closes_on_the_definitions_keys
         assert set(value) == {"a"} and len(value["a"]) <= 3, text
 
 
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("schema,place", [
+    pytest.param({"type": "array", "items": {"oneOf": [
+        {"type": "number", "minimum": 2.25}, {"enum": ["b"]}, {"type": "integer",
+                                                               "minimum": 29}]}},
+                 '"oneOf" at /items/oneOf', id="number_and_integer"),
+    pytest.param({"$defs": {"Size": {"oneOf": [{"type": "integer", "maximum": 5},
+                                               {"type": "integer", "minimum": 3}]}},
+                  "type": "object", "properties": {"size": {"$ref": "#/$defs/Size"}}},
+                 '"oneOf" at /$defs/Size/oneOf', id="overlapping_ranges_in_a_definition"),
+])
+def test_a_oneof_llguidance_serves_as_anyof_is_refused_naming_it(llguidance, schema, place,
+                                                                 strict):
+    """llguidance serves a ``oneOf`` whose branches it cannot prove disjoint as ``anyOf``
+    (a warning, without strict): the schema fuzzer's ``[1813668406159,null]`` matched both
+    the number and the integer branch, which oneOf refuses (and with strict the 400 named no
+    place). Now a 400 naming the oneOf; a tagged union, or branches of different types, is
+    served (every answer matching one branch)."""
+    message = _refusal(schema, strict)
+    assert message is not None and place in message and "write anyOf" in message, message
+    union = {"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"},
+                                                         "n": {"type": "integer"}},
+                        "required": ["kind", "n"]},
+                       {"type": "object", "properties": {"kind": {"const": "b"}},
+                        "required": ["kind"]}, {"type": "string", "maxLength": 2}]}
+    assert _refusal(union, strict) is None
+
+
 class Priced(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=8)
     price: decimal.Decimal

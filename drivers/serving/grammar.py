@@ -1068,6 +1068,16 @@ def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
             except ValueError:
                 named = [message[len(UNIMPLEMENTED):]]
             keys.extend(str(key) for key in (named if isinstance(named, list) else [named]))
+    if any(message.startswith(ONE_OF_AS_ANY) for message in messages):
+        pointer = _one_of_place(schema)
+        raise GrammarError(param, f"{param}: \"oneOf\" at {pointer} (a JSON pointer into the "
+                                  "schema) has branches llguidance cannot tell apart (a value "
+                                  "may match two: 4 matches both {\"type\": \"number\"} and "
+                                  "{\"type\": \"integer\"}; [] both arrays), so it would be "
+                                  "served as anyOf and an answer could match two branches, "
+                                  "which oneOf refuses: write anyOf if a value may match "
+                                  "several, or give the branches a property of different "
+                                  "consts (a discriminator) or different types")
     if not keys:
         return
     key, pointer = _keyword_place(schema, keys)
@@ -1078,6 +1088,47 @@ def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
                               "could break it, so the schema is refused (as OpenAI's strict "
                               f"mode refuses it); leave it out"
                               + (f" ({instead})" if instead else ""))
+
+
+#: how llguidance 1.9.1 says, among a lenient compile's warnings, that it served a ``oneOf``
+#: as ``anyOf`` (it could not prove its branches disjoint)
+ONE_OF_AS_ANY = "oneOf not fully supported, falling back to anyOf"
+
+
+def _one_of_place(schema: dict[str, Any]) -> str:
+    """The JSON pointer of the first ``oneOf`` (breadth first) llguidance serves as
+    ``anyOf``, compiled alone with the root's definitions (else the first ``oneOf`` found)."""
+    from llguidance import LLMatcher
+    defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
+    first = None
+    todo: list[tuple[str, Any]] = [("", schema)]
+    while todo:
+        where, node = todo.pop(0)
+        if not isinstance(node, dict):
+            continue
+        if isinstance(node.get("oneOf"), list):
+            first = first or f"{where}/oneOf"
+            try:
+                alone: Any = {**defs, **node}
+                options: Any = {**JSON_OPTIONS, "lenient": True}  # JsonCompileOptions
+                grammar = LLMatcher.grammar_from_json_schema(alone, overrides=options)
+                _, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+            except ValueError:
+                messages = []
+            if any(message.startswith(ONE_OF_AS_ANY) for message in messages) and not \
+                    any(isinstance(sub, dict) and "oneOf" in json.dumps(sub)
+                        for sub in node["oneOf"]):  # (an inner oneOf may be the one)
+                return f"{where}/oneOf"
+        for key, value in node.items():
+            at = f"{where}/{_escaped(key)}"
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo.extend((f"{at}/{_escaped(name)}", sub) for name, sub in value.items()
+                            if not (key == "$defs" and name.startswith(_OPEN_PREFIX)))
+            elif key in _SUBSCHEMAS and isinstance(value, list):
+                todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
+            elif key in _SUBSCHEMAS:
+                todo.append((at, value))
+    return first or "/"
 
 
 def _keyword_place(schema: Any, keys: Sequence[str]) -> tuple[str, str]:
