@@ -890,6 +890,34 @@ def test_a_pydantic_dict_of_constrained_keys_is_served_with_those_keys(llguidanc
         adapter.validate_json(text)  # raises if it does not parse
 
 
+def test_a_bounded_dict_of_literal_keys_keeps_its_bound(llguidance):
+    """``dict[Literal["a.b", "c d", "e-f"], int]`` with ``max_length=2``: its keys as optional
+    properties made llguidance ignore the ``maxProperties`` beside them (a warning: three
+    keys were let through); as one alternation the bound holds: every answer parses, two
+    keys at most, a third refused by the mask."""
+    adapter = pydantic.TypeAdapter(
+        Annotated[dict[Literal["a.b", "c d", "e-f"], int], pydantic.Field(max_length=2)])
+    rf = {"type": "json_schema", "json_schema": {"name": "d", "schema": adapter.json_schema()}}
+    plan = grammar.completion_structure(rf, ByteTokenizer(), 151936, 151643)
+    for text in _walks(plan, range(20)):
+        assert len(adapter.validate_json(text)) <= 2, text
+    two = '{"a.b":1,"e-f":2,'
+    assert _refused_at(plan, two) == len(two) - 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_property_count_beside_optional_properties_is_refused_naming_it(llguidance, strict):
+    """llguidance applies ``minProperties``/``maxProperties`` only where every declared
+    property is required, and ignored one beside optional properties without strict (a
+    warning; with strict a 400 naming no place): now a 400 naming it."""
+    schema = {"type": "object", "properties": {"x": {
+        "type": "object", "properties": {"a": {"type": "integer"}},
+        "additionalProperties": {"type": "integer"}, "minProperties": 2}}}
+    message = _refusal(schema, strict)
+    assert message is not None and '"minProperties" at /properties/x/minProperties' \
+        in message, message
+
+
 def test_property_names_said_in_two_ways_at_once_is_refused_naming_it(llguidance):
     """A ``propertyNames`` that is not one ``enum``, ``pattern``, ``format`` or length (here a
     pattern and a length) is not rewritten: a 400 naming it and its place."""

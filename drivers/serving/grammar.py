@@ -504,10 +504,14 @@ class _Closer:
         if extra is False:  # its declared keys alone, each allowed
             return
         value = {} if extra is True else extra
-        if isinstance(allowed, list):
-            out["properties"] = {**own, **{name: value for name in allowed if name not in own}}
-        else:
-            out["patternProperties"] = {allowed: value}
+        if isinstance(allowed, list):  # one alternation (optional properties would make
+            # llguidance ignore a min/maxProperties beside them: pydantic's max_length)
+            names = [name for name in allowed if name not in own]
+            if not names:  # its declared keys alone
+                out["additionalProperties"] = False
+                return
+            allowed = "^(?:" + "|".join(_literal(name) for name in names) + ")$"
+        out["patternProperties"] = {allowed: value}
         out["additionalProperties"] = False
 
     def names(self, names: Any) -> list[str] | str | None:
@@ -785,6 +789,12 @@ KEY_FORMATS = {"uuid": "^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F
 #: keywords that say nothing of a value (a ``propertyNames`` schema may carry them)
 _ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default",
                           "deprecated", "readOnly", "writeOnly"})
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex of itself (its metacharacters escaped; nothing else is, as
+    llguidance's regexes refuse some escapes Python's ``re.escape`` writes)."""
+    return "".join("\\" + char if char in "\\.^$|?*+()[]{}" else char for char in text)
 
 
 def _allows(allowed: list[str] | str, name: str) -> bool:
@@ -1078,6 +1088,14 @@ def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
                                   "which oneOf refuses: write anyOf if a value may match "
                                   "several, or give the branches a property of different "
                                   "consts (a discriminator) or different types")
+    if any(message.startswith(COUNT_IGNORED) for message in messages):
+        key, pointer = _count_place(schema)
+        raise GrammarError(param, f"{param}: {json.dumps(key)} at {pointer} (a JSON pointer into "
+                              "the schema) beside optional properties: llguidance applies "
+                              "minProperties/maxProperties only where every property in "
+                              "\"properties\" is required, and would ignore it (an answer "
+                              "could hold more or fewer keys): make those properties "
+                              "required, or leave the bound out")
     if not keys:
         return
     key, pointer = _keyword_place(schema, keys)
@@ -1093,6 +1111,37 @@ def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
 #: how llguidance 1.9.1 says, among a lenient compile's warnings, that it served a ``oneOf``
 #: as ``anyOf`` (it could not prove its branches disjoint)
 ONE_OF_AS_ANY = "oneOf not fully supported, falling back to anyOf"
+
+
+#: how llguidance 1.9.1 says, among a lenient compile's warnings, that it ignored a
+#: ``minProperties``/``maxProperties`` (beside properties not all required)
+COUNT_IGNORED = "min/maxProperties only supported when all keys listed"
+
+
+def _count_place(schema: dict[str, Any]) -> tuple[str, str]:
+    """(the keyword, the JSON pointer) of the first ``minProperties``/``maxProperties``
+    (breadth first) beside ``properties`` not all ``required``."""
+    todo: list[tuple[str, Any]] = [("", schema)]
+    while todo:
+        where, node = todo.pop(0)
+        if not isinstance(node, dict):
+            continue
+        own = node.get("properties")
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if isinstance(own, dict) and not set(own) <= set(required):
+            for key in ("minProperties", "maxProperties"):
+                if key in node:
+                    return key, f"{where}/{key}"
+        for key, value in node.items():
+            at = f"{where}/{_escaped(key)}"
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                todo.extend((f"{at}/{_escaped(name)}", sub) for name, sub in value.items()
+                            if not (key == "$defs" and name.startswith(_OPEN_PREFIX)))
+            elif key in _SUBSCHEMAS and isinstance(value, list):
+                todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
+            elif key in _SUBSCHEMAS:
+                todo.append((at, value))
+    return "maxProperties", "/"
 
 
 def _one_of_place(schema: dict[str, Any]) -> str:
