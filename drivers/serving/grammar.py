@@ -1127,8 +1127,9 @@ def _count_place(schema: dict[str, Any]) -> tuple[str, str]:
         if not isinstance(node, dict):
             continue
         own = node.get("properties")
-        required = node.get("required") if isinstance(node.get("required"), list) else []
-        if isinstance(own, dict) and not set(own) <= set(required):
+        required = node.get("required")
+        if isinstance(own, dict) and not set(own) <= set(
+                required if isinstance(required, list) else []):
             for key in ("minProperties", "maxProperties"):
                 if key in node:
                     return key, f"{where}/{key}"
