@@ -444,7 +444,7 @@ class _Closer:
             elif key in _SCHEMA_MAPS and isinstance(value, dict):
                 out[key] = {name: self.closed(sub) for name, sub in value.items()}
             elif key == "pattern" and isinstance(value, str):
-                out[key] = anchored(LOOKAROUND_FREE.get(value, value))
+                out[key] = anchored(LOOKAROUND_FREE.get(value) or decimal_part(value) or value)
             elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list) \
                     and (key == "allOf" or merging or not closing):
                 out[key] = [self.closed(sub, closing=False) for sub in value]
@@ -456,6 +456,16 @@ class _Closer:
                 out[key] = value
         if "propertyNames" in out and not merging:
             self.name_keys(out)
+        branches = out.get("anyOf")
+        given = schema.get("anyOf")
+        if isinstance(branches, list) and len(branches) == 2 and branches[0] == {"type": "number"} \
+                and isinstance(branches[1], dict) and isinstance(given, list) \
+                and isinstance(given[1], dict) and isinstance(given[1].get("pattern"), str) \
+                and decimal_part(given[1]["pattern"]) is not None:
+            # a constrained pydantic Decimal: its string form alone (a number of more places
+            # or digits than it allows matched {"type": "number"}, and .parse() refused it)
+            out.pop("anyOf")
+            out.update(branches[1])
         if merging and closing:
             self.close_merged(schema, out)
         elif not any(key in out for key in _APPLICATORS):
@@ -805,6 +815,47 @@ def _allows(allowed: list[str] | str, name: str) -> bool:
         return re.search(allowed, name) is not None
     except re.error:  # a regex llguidance reads and Python's re does not: not rewritten
         return False
+
+
+#: pydantic's pattern of a ``Decimal`` with ``max_digits`` and/or ``decimal_places``
+#: (``condecimal(max_digits=10, decimal_places=2)``: a price), look-aheads and all
+_PYDANTIC_DECIMAL = re.compile(
+    r"\^\(\?!\^\[-\+\.\]\*\$\)\[\+-\]\?0\*(?:"
+    r"\(\?:\\d\{0,(?P<ip>\d+)\}\|\(\?=\[\\d\.\]\{1,(?P<md>\d+)\}0\*\$\)"
+    r"\\d\{0,(?P<ip2>\d+)\}\\\.\\d\{0,(?P<dp>\d+)\}0\*\$\)"
+    r"|\(\?:\\d\{0,(?P<md2>\d+)\}\|\(\?=\[\\d\.\]\{1,(?P<md3>\d+)\}0\*\$\)"
+    r"\\d\*\\\.\\d\*0\*\$\)"
+    r"|\\d\*\\\.\?\\d\{0,(?P<dp2>\d+)\}0\*\$)")
+
+
+def decimal_part(pattern: str) -> str | None:
+    """A regex without look-around of a part of what pydantic's pattern of a constrained
+    ``Decimal`` allows (None for any other pattern): at most ``max_digits`` digits, at most
+    ``decimal_places`` after the point, a digit somewhere, no leading zeros beyond the digits
+    counted, no trailing point. A grammar may allow less than the schema (every answer still
+    matches it): until stop 64 any model with such a field was a 400."""
+    found = _PYDANTIC_DECIMAL.fullmatch(pattern)
+    if found is None:
+        return None
+    sign = "^[+-]?(?:"
+    if found["dp"] is not None:  # max_digits and decimal_places
+        whole, places = int(found["ip"]), int(found["dp"])
+        if int(found["ip2"]) != whole or whole + places + 1 != int(found["md"]) or places < 1:
+            return None
+        forms = ([f"[0-9]{{1,{whole}}}"] if whole else []) \
+            + [f"[0-9]{{0,{whole}}}\\.[0-9]{{1,{places}}}"]
+    elif found["md2"] is not None:  # max_digits alone
+        digits = int(found["md2"])
+        if int(found["md3"]) != digits + 1 or not 1 <= digits <= 64:
+            return None
+        forms = [f"[0-9]{{1,{digits}}}"] + [f"[0-9]{{{i}}}\\.[0-9]{{1,{digits - i}}}"
+                                              for i in range(digits)]
+    else:  # decimal_places alone
+        places = int(found["dp2"])
+        if places < 1:
+            return None
+        forms = ["[0-9]+", f"[0-9]*\\.[0-9]{{1,{places}}}"]
+    return sign + "|".join(forms) + ")$"
 
 
 def anchored(pattern: str) -> str:
