@@ -1019,7 +1019,7 @@ def test_a_constrained_pydantic_decimal_is_served_as_a_string_it_reads(llguidanc
 @pytest.mark.parametrize("constraints", [{"decimal_places": 2}, {"max_digits": 4},
                                          {"max_digits": 4, "decimal_places": 2},
                                          {"max_digits": 2, "decimal_places": 2}])
-def test_thedecimal_part_allows_only_what_the_pattern_and_pydantic_allow(constraints):
+def test_the_decimal_part_allows_only_what_the_pattern_and_pydantic_allow(constraints):
     """A differential check of ``grammar.decimal_part``: every string of up to 7 of
     ``-.019`` it matches, pydantic's pattern matches (Python's ``re`` implements its
     look-aheads) and pydantic reads as the constrained Decimal."""
