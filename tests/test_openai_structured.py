@@ -665,26 +665,40 @@ def test_bad_structured_fields_are_400s_naming_the_field(live, llguidance, field
 @pytest.mark.parametrize("strict", [True, False])
 def test_keywords_llguidance_does_not_apply_are_refused_naming_their_place(live, llguidance,
                                                                            where, strict):
-    """A keyword llguidance does not apply is a 400 naming it and its JSON pointer, strict or
-    not: without strict it was ignored until stop 64 (an answer could hold ``[1,1]``, which
-    the schema does not allow), and with strict the 400 named no place."""
+    """A keyword llguidance does not apply is a 400 naming it and its JSON pointer: with
+    strict the 400 named no place until stop 64. ``uniqueItems`` alone is served without
+    strict (a pydantic ``set[...]`` field writes it, and pydantic reads duplicates into the
+    set); ``contains`` is refused strict or not."""
     server, _ = live
     schema = {"type": "object", "properties": {"ids": {
         "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
         "maxItems": 3, "uniqueItems": True}}, "required": ["ids"], "additionalProperties": False}
-    if where == "tools":
-        tool = {"type": "function", "function": {"name": "f", "parameters": schema,
-                                                 "strict": strict}}
-        r = post(server, chat_body(tools=[tool], tool_choice="required",
-                                   parallel_tool_calls=False))
+    def send(schema: dict[str, Any]) -> httpx.Response:
+        if where == "tools":
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema,
+                                                     "strict": strict}}
+            return post(server, chat_body(tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False))
+        return post(server, chat_body(response_format=_json_schema(schema, strict=strict)))
+    param = ("tools.0.function.parameters" if where == "tools"
+             else "response_format.json_schema.schema")
+    r = send(schema)
+    if strict:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert '"uniqueItems" at /properties/ids/uniqueItems' in error["message"], error
+        assert "declare a list" in error["message"], error
+        assert error["param"] == param, error
     else:
-        r = post(server, chat_body(response_format=_json_schema(schema, strict=strict)))
+        assert r.status_code == 200, r.text
+    ids = schema["properties"]["ids"]  # type: ignore[index]
+    plain = {key: value for key, value in ids.items() if key != "uniqueItems"}
+    contains = {**schema, "properties": {"ids": {**plain, "contains": {"const": 3}}}}
+    r = send(contains)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert '"uniqueItems" at /properties/ids/uniqueItems' in error["message"], error
-    assert "declare a list" in error["message"], error
-    assert error["param"] == ("tools.0.function.parameters" if where == "tools"
-                              else "response_format.json_schema.schema"), error
+    assert '"contains" at /properties/ids/contains' in error["message"], error
+    assert error["param"] == param, error
 
 
 def _refusal(schema: dict[str, Any], strict: bool = False) -> str | None:

@@ -1083,7 +1083,7 @@ def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
         grammar = LLMatcher.grammar_from_json_schema(schema, overrides=lenient)
     except ValueError as err:
         raise GrammarError(param, f"{param}: llguidance cannot compile it: {err}") from None
-    _unapplied(grammar, schema, param)  # (lenient compiles name them; strict ones refuse)
+    _unapplied(grammar, schema, param, strict)  # (lenient compiles name them)
     if not strict:
         return grammar
     try:
@@ -1107,7 +1107,15 @@ INSTEAD = {
 }
 
 
-def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
+#: keywords served without ``strict`` though llguidance does not apply them: ``uniqueItems``
+#: is what a pydantic ``set[...]``/``frozenset[...]`` field writes, and pydantic reads a
+#: list holding duplicates into that set (``.parse()`` and LangChain's structured output
+#: answer right); refusing it broke every such model without ``strict`` (served until stop
+#: 64, documented as not applied). With ``strict`` it is refused, naming its place.
+LENIENT_SERVED = frozenset({"uniqueItems"})
+
+
+def _unapplied(grammar: str, schema: dict[str, Any], param: str, strict: bool) -> None:
     """Refuse a schema holding a keyword llguidance does not apply (its lenient compile
     names them among its warnings: ``if``/``then``/``else``, ``not``, ``uniqueItems``,
     ``contains``, ``propertyNames``, ``dependentSchemas``, ``dependentRequired``,
@@ -1147,6 +1155,8 @@ def _unapplied(grammar: str, schema: dict[str, Any], param: str) -> None:
                               "\"properties\" is required, and would ignore it (an answer "
                               "could hold more or fewer keys): make those properties "
                               "required, or leave the bound out")
+    if not strict:
+        keys = [key for key in keys if key not in LENIENT_SERVED]
     if not keys:
         return
     key, pointer = _keyword_place(schema, keys)
