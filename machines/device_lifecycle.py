@@ -654,7 +654,8 @@ class DeviceLifecycle:
                 f"calbin {fields.shown(host.gen.calbin_path, 300)} (sha256 {sha}) has no pinned golden for "
                 f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
                 f"{goldens_path(source)}; run `calexec golden record --calbin "
-                f"{shlex.quote(str(host.gen.calbin_path))}{self._manifest_flag()}` or set "
+                f"{shlex.quote(str(host.gen.calbin_path))}{self._manifest_flag()}"
+                f"{self._runtime_lib_flag()}` or set "
                 "allow_unpinned_golden",
                 generation=host.gen.id)
         tokens = self._run_golden()
@@ -933,6 +934,13 @@ class DeviceLifecycle:
         if os.path.realpath(source) == os.path.realpath(default_manifest_path()):
             return ""
         return f" --manifest {shlex.quote(source)}"
+
+    def _runtime_lib_flag(self) -> str:
+        """`` --runtime-lib L`` when the runtime is a library loaded from a path (``--runtime-lib
+        L`` or ``$CALEXEC_CALRT_LIB``), not the bundled emulator: the golden is what the
+        runtime computes, and ``golden record`` without it pins the bundled emulator's."""
+        path = getattr(self._host.runtime, "path", None)
+        return f" --runtime-lib {shlex.quote(path)}" if isinstance(path, str) and path else ""
 
     def _reread_goldens(self) -> Status | None:
         """(``switch_model``, before the lifecycle moves) Read the manifest's goldens file

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -172,18 +173,20 @@ def unpinned_golden(calbin_path: str, device: DeviceSpec = DeviceSpec()) -> str 
                      config.golden_decode_steps) is not None:
         return None
     where = goldens_path(manifest.source)
+    # the flags of the command that pins it, as typed (shell-quoted): the manifest whose goldens
+    # file the gates read, the runtime whose golden it is
+    flags = "".join(f" {flag} {shlex.quote(value)}" for flag, value in (
+        ("--manifest", device.manifest_path), ("--runtime-lib", device.library))
+        if value is not None)
     if device.calbin_path is not None:
         return (f"--calbin={device.calbin_path!r}: no golden is pinned for it (sha256 {sha}) "
                 f"in {where}, so no gate's executor can start; run `calexec golden record "
-                f"--calbin {device.calbin_path}`" + (f" --manifest {device.manifest_path}"
-                                                      if device.manifest_path else "") +
-                " first")
+                f"--calbin {shlex.quote(device.calbin_path)}{flags}` first")
     given = "the packaged manifest" if device.manifest_path is None else \
         f"--manifest={device.manifest_path!r}"
-    manifest_flag = "" if device.manifest_path is None else f" --manifest {device.manifest_path}"
     return (f"{given}: {where} pins no golden for the synthetic calbin (sha256 {sha}), so no "
             "gate's executor can start; run `calexec sim write-calbin PATH` and `calexec "
-            f"golden record --calbin PATH{manifest_flag}` first")
+            f"golden record --calbin PATH{flags}` first")
 
 
 def run_job(ex: DeviceExecutor, req: InferenceRequest) -> Any:
