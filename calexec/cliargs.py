@@ -17,6 +17,8 @@
 - :func:`make_dir` / :func:`output_dir` / :func:`cannot_make_dir`: an output directory flag
   (``--out``, ``--report``, ``--dump-dir``) whose directory cannot be made: one line naming
   the flag and its value, ``not a directory`` when a file is there, exit 2.
+- :func:`shell_word`: a path in a line of output (a file written, a file stale) as one shell
+  word on that line, whatever it holds (a space, a newline, a byte that is not UTF-8).
 - :func:`staged_report`: a command's output files (``--report DIR``, ``diagrams``' and
   ``charts draw``'s diagrams, ``charts names``' module) written all together or not at all: a Ctrl-C or an
   error while they are written leaves ``DIR`` as it was; a report's, written, replace the
@@ -38,6 +40,7 @@ import errno
 import functools
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -548,6 +551,33 @@ def cannot_write(path: str | os.PathLike[str] | None, exc: BaseException,
         return UserError(f"{flag}={given!r}: cannot write "
                          f"{'it' if target == given else what}: {reason}")
     return UserError(f"cannot write {what}: {reason}")
+
+
+#: what a character becomes inside ``$'...'`` (:func:`shell_word`), besides ``\\xHH``
+_ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def shell_word(path: str | os.PathLike[str]) -> str:
+    """``path`` as one shell word on one line, for a line of output that names a file (a file
+    written, a file stale): ``shlex.quote``'s (a plain path unchanged, one with a space or a
+    ``'`` single-quoted); a path with a control character (a newline) or a byte that is not
+    UTF-8 in bash's ``$'...'`` (zsh, ksh and POSIX sh since 2024 read it too), so the line a
+    script reads holds the whole path, never a part of it on the next line."""
+    text = os.fsdecode(path)
+    if text.isprintable():
+        return shlex.quote(text)
+    escaped = []
+    for char in text:
+        if char in _ANSI_C:
+            escaped.append(_ANSI_C[char])
+        elif char.isprintable():
+            escaped.append(char)
+        else:  # (a byte not UTF-8 is a surrogate escape: the byte itself)
+            try:
+                escaped.extend(f"\\x{byte:02x}" for byte in os.fsencode(char))
+            except UnicodeEncodeError:  # (a lone surrogate no file name holds)
+                escaped.append(f"\\u{ord(char):04x}")
+    return "$'" + "".join(escaped) + "'"
 
 
 def writable_file(flag: str, path: str | os.PathLike[str],

@@ -10,6 +10,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from calexec import cli
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calrt as calrt_pkg
@@ -89,3 +91,53 @@ def test_accept_names_the_runtime_library_and_quotes_the_paths_of_the_command_to
     line = unpinned_golden(str(calbin), DeviceSpec(calbin_path=str(calbin)))
     assert line is not None and line.endswith(
         f"run `calexec golden record --calbin {shlex.quote(str(calbin))}` first"), line
+
+
+#: paths a user may give: a space, a quote, a newline, a tab, a byte that is not UTF-8
+ODD_NAMES = ["my dir", "it's", "two\nlines", "tab\there", os.fsdecode(b"latin\xe9")]
+
+
+def _bash_reads(word: str) -> bytes:
+    """What bash makes of ``word`` as one shell word: the bytes of the path it names."""
+    done = subprocess.run(["bash", "-c", f"printf %s {word}"], capture_output=True,
+                          timeout=30, check=True)
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", ODD_NAMES, ids=repr)
+def test_diagrams_prints_each_file_written_as_one_shell_word_on_its_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str):
+    """``calexec diagrams --out DIR`` prints the files it wrote, one a line, for a script to
+    read: with a newline in DIR each file took two lines (a script read two paths, neither
+    there), a space split it into two words; ``--check`` and its ``stale:`` lines the same.
+    Each is now one shell word on its line (``shlex.quote``; ``$'...'`` for a control
+    character or a byte that is not UTF-8), which bash reads back as the path."""
+    out = tmp_path / name
+    assert cli.main(["diagrams", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    written = sorted(out.iterdir())
+    assert len(lines) == len(written)
+    assert sorted(_bash_reads(line) for line in lines) == sorted(map(os.fsencode, written))
+    (out / "job.dot").unlink()
+    assert cli.main(["diagrams", "--out", str(out), "--check"]) == 1
+    [stale, fix] = capsys.readouterr().err.splitlines()
+    word = stale.removeprefix("stale: ").removesuffix(": missing")
+    assert _bash_reads(word) == os.fsencode(out / "job.dot"), stale
+    assert fix.startswith("fix: ")
+
+
+def test_golden_record_names_the_goldens_file_as_one_shell_word(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``calexec golden record ... --out F``'s line ended ``-> F`` as the path was: a newline
+    in F split the line a script reads; now ``-> `` and F as one shell word."""
+    out = tmp_path / "two\nlines.goldens.toml"
+    assert cli.main(["golden", "record", "--calbin", _synthetic(tmp_path), "--out",
+                     str(out)]) == 0
+    [line] = capsys.readouterr().out.splitlines()
+    assert _bash_reads(line.rsplit(" -> ", 1)[1]) == os.fsencode(out), line
+
+
+def _synthetic(directory: Path) -> str:
+    path = directory / "m.calbin"
+    synthetic.write(str(path), synthetic.default_spec(seed=5))
+    return str(path)

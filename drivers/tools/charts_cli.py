@@ -39,6 +39,7 @@ from calexec.cliargs import (
     make_dir,
     nonempty_path,
     refuse_non_directory,
+    shell_word,
     staged_report,
     writable_file,
 )
@@ -82,27 +83,27 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     problems = []
     dot_path, svg_path = stem.with_suffix(".dot"), stem.with_suffix(".svg")
     if not dot_path.is_file():
-        problems.append(f"{dot_path}: missing")
+        problems.append(f"{shell_word(dot_path)}: missing")
     elif (text := dot_path.read_text(encoding="utf-8", errors="replace")) != dot:
         title = _TITLE.search(text)
         if title is not None and title.group("file") != declared_in(chart):
-            problems.append(f"{dot_path}: the diagram of another chart named "
+            problems.append(f"{shell_word(dot_path)}: the diagram of another chart named "
                             f"{chart.declaration.__name__}, declared in {title.group('file')} "
                             f"(this one is declared in {declared_in(chart)})")
         else:
-            problems.append(f"{dot_path}: differs from the declared chart")
+            problems.append(f"{shell_word(dot_path)}: differs from the declared chart")
     if not svg_path.is_file():
-        problems.append(f"{svg_path}: missing")
+        problems.append(f"{shell_word(svg_path)}: missing")
     else:
         found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         if found is None or found.group(1) != sha:
-            problems.append(f"{svg_path}: not rendered from the current DOT")
+            problems.append(f"{shell_word(svg_path)}: not rendered from the current DOT")
     if png:
         png_path = stem.with_suffix(".png")
         if not png_path.is_file():
-            problems.append(f"{png_path}: missing")
+            problems.append(f"{shell_word(png_path)}: missing")
         elif png_sha(png_path.read_bytes()) != sha:
-            problems.append(f"{png_path}: not rendered from the current DOT")
+            problems.append(f"{shell_word(png_path)}: not rendered from the current DOT")
     return problems
 
 
@@ -160,14 +161,14 @@ def draw(argv: list[str]) -> int:
                 # drawing there is refused (the other chart's diagram would be overwritten):
                 # the fix the line named was that refusal, exit 2
                 print(f"fix: draw it into another directory (calexec charts draw "
-                      f"{shlex.quote(args.chart)} --out DIR), or delete {dot_path} to "
+                      f"{shlex.quote(args.chart)} --out DIR), or delete {shell_word(dot_path)} to "
                       "replace the other chart's diagram", file=sys.stderr)
                 return EXIT_FAILED
             print(f"fix: calexec charts draw {shlex.quote(args.chart)} --out "
-                  f"{shlex.quote(str(args.out))}" + (" --png" if png else ""),
+                  f"{shell_word(args.out)}" + (" --png" if png else ""),
                   file=sys.stderr)
             return EXIT_FAILED
-        print(f"{chart.name}: diagrams in {args.out} are up to date")
+        print(f"{chart.name}: diagrams in {shell_word(args.out)} are up to date")
         return 0
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
@@ -198,8 +199,8 @@ def draw(argv: list[str]) -> int:
             data = contents[path.suffix]
             (Path(scratch) / path.name).write_bytes(
                 data.encode("utf-8") if isinstance(data, str) else data)
-    for path in written:
-        print(path)
+    for path in written:  # one line each, whatever the path holds
+        print(shell_word(path))
     return 0
 
 

@@ -138,5 +138,6 @@ def main(argv: list[str]) -> int:
         raise cliargs.UserError(f"--out={str(out)!r}: cannot update it: "
                                 f"{getattr(exc, 'strerror', None) or exc}") from None
     print(f"pinned golden for calbin sha256 {golden.calbin_sha256}: tokens {list(golden.tokens)} "
-          f"(prompt of {len(golden.prompt)} tokens, {golden.decode_steps} decode steps) -> {out}")
+          f"(prompt of {len(golden.prompt)} tokens, {golden.decode_steps} decode steps) -> "
+          f"{cliargs.shell_word(out)}")
     return 0

@@ -151,9 +151,9 @@ def main(argv: list[str]) -> int:
     if done.returncode != 0 or not os.path.exists(args.out):
         print(f"calexec diagrams live: chromium failed: {done.stderr[-2000:]}", file=sys.stderr)
         return 1
-    print(args.out)
+    print(cliargs.shell_word(args.out))  # one line each, whatever the path holds
     if args.job_out:
-        print(args.job_out)
+        print(cliargs.shell_word(args.job_out))
     return 0
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import shlex
 import sys
 from pathlib import Path
 
+from calexec.cliargs import shell_word
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import (
     FIX_COMMAND,
@@ -83,22 +83,22 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
             png_path = png / f"{name}.png"
             expected = hashlib.sha256(render_chart_dot(CHARTS[name]).encode("utf-8")).hexdigest()
             if not png_path.is_file():
-                problems.append(f"{png_path}: missing")
+                problems.append(f"{shell_word(png_path)}: missing")
             elif png_sha(png_path.read_bytes()) != expected:
-                problems.append(f"{png_path}: not rendered from the current DOT")
+                problems.append(f"{shell_word(png_path)}: not rendered from the current DOT")
         dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
         fresh = render_chart_dot(CHARTS[name])
         if not dot_path.is_file():
-            problems.append(f"{dot_path}: missing")
+            problems.append(f"{shell_word(dot_path)}: missing")
         elif dot_path.read_text(encoding="utf-8", errors="replace") != fresh:
-            problems.append(f"{dot_path}: differs from the declared chart")
+            problems.append(f"{shell_word(dot_path)}: differs from the declared chart")
         if not svg_path.is_file():
-            problems.append(f"{svg_path}: missing")
+            problems.append(f"{shell_word(svg_path)}: missing")
             continue
         found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         expected = hashlib.sha256(fresh.encode("utf-8")).hexdigest()
         if found is None or found.group(1) != expected:
-            problems.append(f"{svg_path}: not rendered from the current DOT")
+            problems.append(f"{shell_word(svg_path)}: not rendered from the current DOT")
     return problems
 
 
@@ -135,10 +135,11 @@ def main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"stale: {problem}", file=sys.stderr)
             if problems:
-                print(f"fix: {FIX_COMMAND} --out {shlex.quote(str(args.out))}"
-                      + (f" --png {shlex.quote(str(args.png))}" if args.png else ""), file=sys.stderr)
+                print(f"fix: {FIX_COMMAND} --out {shell_word(args.out)}"
+                      + (f" --png {shell_word(args.png)}" if args.png else ""), file=sys.stderr)
                 return 1
-            print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
+            print(f"diagrams in {shell_word(args.out)}"
+                  f"{f' and {shell_word(args.png)}' if args.png else ''} are up to "
                   "date")
             return 0
         written = write_all(args.out, args.png)  # (renders everything, then makes --out)
@@ -156,6 +157,6 @@ def main(argv: list[str]) -> int:
             flag, value = "--png", args.png  # the PNG directory failed, not --out
         print(f"calexec diagrams: {cannot_write(value, err, flag)}", file=sys.stderr)
         return EXIT_CONFIG
-    for path in written:
-        print(path)
+    for path in written:  # one line each, whatever the path holds (a newline: $'a\nb')
+        print(shell_word(path))
     return 0

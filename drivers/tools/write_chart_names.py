@@ -7,12 +7,11 @@ read as a text file: a directory, a device, a FIFO), in one line naming it."""
 from __future__ import annotations
 
 import os
-import shlex
 import stat
 import sys
 from pathlib import Path
 
-from calexec.cliargs import UserError, command_main, nonempty_path, staged_report
+from calexec.cliargs import UserError, command_main, nonempty_path, shell_word, staged_report
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.compiled import names_source
 
@@ -57,13 +56,14 @@ def main(argv: list[str]) -> int:
     if args.check:
         current = current_text(args.out, len(fresh.encode("utf-8")))
         if current is None:
-            print(f"stale: {args.out}: missing", file=sys.stderr)
+            print(f"stale: {shell_word(args.out)}: missing", file=sys.stderr)
         if current != fresh:
             if current is not None:
-                print(f"stale: {args.out} differs from the declared charts", file=sys.stderr)
-            print(f"fix: calexec charts names --out {shlex.quote(str(args.out))}", file=sys.stderr)
+                print(f"stale: {shell_word(args.out)} differs from the declared charts",
+                      file=sys.stderr)
+            print(f"fix: calexec charts names --out {shell_word(args.out)}", file=sys.stderr)
             return 1
-        print(f"{args.out} is up to date")
+        print(f"{shell_word(args.out)} is up to date")
         return 0
     if args.out.name in ("", "..") or args.out.is_dir():  # ('.', '/', a directory)
         raise UserError(f"--out={str(args.out)!r}: is a directory, not a generated chart "
@@ -72,5 +72,5 @@ def main(argv: list[str]) -> int:
     # (a full disk) leaves the previous module, never a truncated one that does not import
     with staged_report("--out", args.out.parent, given=args.out) as scratch:
         (Path(scratch) / args.out.name).write_bytes(fresh.encode("utf-8"))
-    print(args.out)
+    print(shell_word(args.out))
     return 0
