@@ -495,14 +495,9 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
                   "still running were cut", file=sys.stderr)
             return EXIT_FAILED
         if sample is not None:
-            if sample.out_error is not None:  # not the request's failure: stdout's
-                raise sample.out_error
-            if not sample.ok:
-                print("calexec serve --once: the sample request failed (see above)",
-                      file=sys.stderr)
-                return EXIT_SAMPLE_FAILED
-            print(f"drained: executor {executor.state}; exit {EXIT_OK}", file=sys.stdout,
-                  flush=True)
+            # (a SIGTERM drains the server while the sample may still be reading its answer or
+            # printing it: its outcome is read once its thread ended, not half-way)
+            return sample.result(f"executor {executor.state}")
         return EXIT_OK
 
 
@@ -586,18 +581,21 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                 print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
                 return EXIT_FAILED
             url = listening_url(args.host, port)
+            sample = None
             if args.once:
                 sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key)
                 sample.served = (f"{spec.served()}, {args.replicas or 1} replica(s) under "
                                  "Ray Serve")
                 # (a wildcard --host: the sample asks this machine's loopback, as without --ray)
-                ok = sample.request(listening_url(args.host, port, reachable=True))
-                return EXIT_OK if ok else EXIT_SAMPLE_FAILED
-            print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}",
-                  flush=True)
-            signals.stop.wait()
-            print(f"calexec serve --ray: {signals.received}: draining (grace {args.grace:g} s)",
-                  flush=True)
+                sample.ok = sample.request(listening_url(args.host, port, reachable=True))
+                # then the fleet drains at its ingress as on a signal, and says so as `serve
+                # --once` does (it ended on the sample's answer, no `drained:` line)
+            else:
+                print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}",
+                      flush=True)
+                signals.stop.wait()
+                print(f"calexec serve --ray: {signals.received}: draining (grace "
+                      f"{args.grace:g} s)", flush=True)
             try:
                 drained = drain_fleet("calexec", args.grace)
             except Exception as err:  # noqa: BLE001 - the ingress is unreachable: the shutdown still runs
@@ -609,6 +607,8 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                       f"after --grace={args.grace:g} s are cut"
                       f"{cut_ids(drained.get('request_ids', []))}", file=sys.stderr)
                 return EXIT_FAILED
+            if sample is not None:
+                return sample.result(f"{args.replicas or 1} replica(s) under Ray Serve")
             return EXIT_OK
         except local_ray.RayBindError as err:
             print(f"calexec serve --ray: {err}", file=sys.stderr)
@@ -638,11 +638,42 @@ class SampleRun:
         #: BrokenPipeError; a full disk): ``main`` raises it once the server drained, for the
         #: console script to answer as any stdout failure (exit 141, or one line, exit 2)
         self.out_error: OSError | None = None
+        #: the thread ``start`` runs the sample on (None: not started, or ``request`` called
+        #: on the caller's thread: ``serve --ray --once``)
+        self._thread: threading.Thread | None = None
+        #: ``request`` began (False: the server drained before it served)
+        self.sent = False
 
     def start(self, server: DrainingServer, url: str) -> None:
         """``DrainingServer.on_started``: never blocks the event loop."""
-        threading.Thread(target=self._run, args=(server, url), name="calexec-serve-once",
-                         daemon=True).start()
+        self._thread = threading.Thread(target=self._run, args=(server, url),
+                                        name="calexec-serve-once", daemon=True)
+        self._thread.start()
+
+    def result(self, drained: str) -> int:
+        """Once the server drained (``drained``: what it says drained): the exit code of the
+        run, its last line printed. The sample's thread is joined first, within the request's
+        own timeout: a SIGTERM drains the server while the sample may still be reading its
+        answer or printing it, and its outcome read then was a failure (exit 4, "see above")
+        that the thread went on to print as a 200. A sample never sent (a signal before the
+        server served) or still running after the deadline says so. Raises what writing to
+        ``out`` raised (for the console script to answer)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                print(f"calexec serve --once: the sample request did not end within "
+                      f"{self.timeout_s:g} s of the drain", file=sys.stderr)
+                return EXIT_SAMPLE_FAILED
+        if self.out_error is not None:  # not the request's failure: stdout's
+            raise self.out_error
+        if not self.ok:
+            why = "failed (see above)" if self.sent else \
+                "was not sent: the server drained before it served"
+            print(f"calexec serve --once: the sample request {why}", file=sys.stderr)
+            return EXIT_SAMPLE_FAILED
+        print(f"drained: {drained}; exit {EXIT_OK}", file=self.out, flush=True)
+        return EXIT_OK
 
     def _run(self, server: DrainingServer, url: str) -> None:
         try:
@@ -654,6 +685,7 @@ class SampleRun:
 
     def request(self, url: str) -> bool:
         """Send the sample to ``url`` and print it; True for an HTTP 200 completion."""
+        self.sent = True
         endpoint = f"{url}/v1/completions"
         body = json.dumps(SAMPLE_REQUEST)
         say = self._say

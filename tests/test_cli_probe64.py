@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,62 @@ def _synthetic(directory: Path) -> str:
     path = directory / "m.calbin"
     synthetic.write(str(path), synthetic.default_spec(seed=5))
     return str(path)
+
+
+class _Server:
+    """What ``SampleRun`` uses of the server: ``drain_soon``, called as the sample ends."""
+
+    def __init__(self) -> None:
+        self.drains = 0
+
+    def drain_soon(self) -> None:
+        self.drains += 1
+
+
+def test_serve_once_reads_the_sample_once_its_thread_ended():
+    """``serve --once`` read its sample's outcome as soon as the server had drained: a SIGTERM
+    drains the server while the sample's thread may still be reading its answer or printing
+    it, and the run said ``the sample request failed (see above)``, exit 4, while the thread
+    went on to print a 200 (and the ``drained:`` line could come between its lines). The
+    outcome is now read once the thread ended (joined within the request's timeout): here
+    the answer comes only after the drain was read, and the run ends 0 with ``drained:``
+    last."""
+    from calexec.serve import SampleRun
+
+    out = io.StringIO()
+    sample = SampleRun(30.0, out)
+    answered = threading.Event()
+
+    def request(url: str) -> bool:
+        sample.sent = True
+        answered.wait(30.0)  # (until the server "drained" and its outcome was asked)
+        print("response (HTTP 200)", file=out)
+        return True
+
+    sample.request = request  # type: ignore[method-assign]
+    server = _Server()
+    sample.start(server, "http://127.0.0.1:1")  # type: ignore[arg-type]
+
+    def answer_once_waited_for(frame: types.FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code.co_name == "join":  # (the outcome is asked)
+            answered.set()
+
+    sys.setprofile(answer_once_waited_for)  # (this thread's calls only)
+    try:
+        code = sample.result("executor Stopped")
+    finally:
+        sys.setprofile(None)
+    assert answered.is_set() and code == 0
+    assert out.getvalue().splitlines() == ["response (HTTP 200)",
+                                           "drained: executor Stopped; exit 0"]
+    assert server.drains == 1
+
+
+def test_serve_once_whose_sample_was_never_sent_says_so(capsys: pytest.CaptureFixture[str]):
+    """A signal before the server served: no sample was sent, and the line said ``the sample
+    request failed (see above)`` with nothing above; it says it was not sent."""
+    from calexec.serve import SampleRun
+
+    assert SampleRun(30.0, io.StringIO()).result("executor Stopped") == 4
+    assert capsys.readouterr().err == ("calexec serve --once: the sample request was not sent: "
+                                       "the server drained before it served\n")
