@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -599,6 +599,26 @@ def writable_file(flag: str, path: str | os.PathLike[str],
             os.unlink(path)
         except OSError:
             pass
+
+
+def refuse_input_as_output(flag: str, path: str | os.PathLike[str],
+                           inputs: Iterable[tuple[str, str | os.PathLike[str] | None]]) -> None:
+    """``UserError`` (exit 2) when the output file ``flag`` names (``path``) is one of the
+    run's ``inputs`` (``(flag, path)``, a None path not given): the output written at the end
+    replaced the file the run read (``bench pingpong --calbin m.calbin --trace m.calbin``:
+    the model overwritten by a trace, exit 0). Found before the run; the same file through
+    another name (a link, ``./``) too."""
+    for given, value in inputs:
+        if value is None or not os.path.exists(value) or not os.path.exists(path):
+            continue
+        try:
+            same = os.path.samefile(path, value)
+        except OSError:  # (gone meanwhile: nothing to replace)
+            continue
+        if same:
+            raise UserError(f"{flag}={os.fsdecode(path)!r}: the same file as "
+                            f"{given}={os.fsdecode(value)!r}, which the run reads: the output "
+                            "would replace it; give another path")
 
 
 def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: str) -> str:

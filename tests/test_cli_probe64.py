@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import os
 import re
+import resource
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from calexec import cli
+from calexec.contracts.goldens import goldens_path
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calrt as calrt_pkg
 from calexec.drivers.calrt.runtime import CalRT
@@ -204,3 +207,61 @@ def test_serve_once_whose_sample_was_never_sent_says_so(capsys: pytest.CaptureFi
     assert SampleRun(30.0, io.StringIO()).result("executor Stopped") == 4
     assert capsys.readouterr().err == ("calexec serve --once: the sample request was not sent: "
                                        "the server drained before it served\n")
+
+
+def _default_calbin(directory: Path) -> Path:
+    """The default synthetic calbin (the packaged manifest pins its golden)."""
+    path = directory / "model.calbin"
+    synthetic.write(str(path), synthetic.default_spec())
+    return path
+
+
+@pytest.mark.parametrize("trace", ["model.calbin", "./model.calbin", "link.calbin", "m.toml"])
+def test_bench_pingpong_refuses_a_trace_that_is_one_of_its_inputs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        trace: str):
+    """``bench pingpong --calbin model.calbin --trace model.calbin`` (a slip of the tab key)
+    ran the benchmark, then wrote the trace over the model, exit 0: the calbin was gone. So
+    did the manifest, or the calbin through a link. The trace naming an input is refused
+    before the run, one line naming both flags, the input untouched."""
+    monkeypatch.chdir(tmp_path)
+    calbin = _default_calbin(tmp_path)
+    (tmp_path / "link.calbin").symlink_to(calbin.name)
+    manifest = tmp_path / "m.toml"  # (the packaged one, its goldens beside it)
+    manifest.write_bytes(Path(default_manifest_path()).read_bytes())
+    shutil.copy(goldens_path(default_manifest_path()), goldens_path(manifest))
+    before = calbin.read_bytes(), manifest.read_bytes()
+    code = cli.main(["bench", "pingpong", "--seqs", "1", "--tokens", "2", "--solo-tokens", "2",
+                     "--calbin", calbin.name, "--manifest", manifest.name, "--trace", trace])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    [line] = captured.err.splitlines()
+    given = "--manifest='m.toml'" if trace == "m.toml" else "--calbin='model.calbin'"
+    assert line.startswith(f"calexec bench pingpong: --trace={trace!r}: the same file as "
+                           f"{given}, which the run reads"), line
+    assert (calbin.read_bytes(), manifest.read_bytes()) == before and captured.out == ""
+
+
+def test_a_trace_write_cut_short_leaves_the_previous_trace(tmp_path: Path):
+    """``bench pingpong --trace t.json`` opened the trace for writing (truncating the previous
+    one) and wrote the JSON into it: a full disk (here a file size limit: the same error at
+    the same write) left a trace cut short where the previous one was, which no viewer
+    opens. The trace is written beside it and renamed over it once whole: the previous one
+    stays, no scratch file is left, one line naming ``--trace``, exit 2."""
+    calbin = _default_calbin(tmp_path)
+    trace = tmp_path / "t.json"
+    trace.write_text('{"traceEvents": []}')
+
+    def small_files() -> None:  # (in the child: a write past 4 KiB fails with EFBIG)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "calexec", "bench", "pingpong", "--seqs", "1", "--tokens", "2",
+         "--solo-tokens", "2", "--calbin", str(calbin), "--trace", str(trace)],
+        capture_output=True, text=True, timeout=300, preexec_fn=small_files, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines()[-1] == (f"calexec bench pingpong: --trace={str(trace)!r}: "
+                                            "cannot write it: File too large")
+    assert trace.read_text() == '{"traceEvents": []}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.calbin", "t.json"]

@@ -81,7 +81,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers.calrt.runtime import CalRT, bundled_emulator
+from calexec.drivers.calrt.runtime import ENV_LIB, CalRT, bundled_emulator
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
@@ -1461,6 +1461,10 @@ def main(argv: list[str]) -> int:
             if args.trace:  # written at the end: refused before the run, not after it (a
                 # directory, a missing one, one this user cannot write in: /proc, read-only)
                 cliargs.writable_file("--trace", args.trace)
+                cliargs.refuse_input_as_output("--trace", args.trace, (
+                    ("--calbin", device.calbin_path), ("--manifest", device.manifest_path),
+                    ("--runtime-lib" if device.runtime_lib else f"${ENV_LIB}",
+                     device.library)))
             result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
                                   device=device)
         else:
