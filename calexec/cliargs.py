@@ -319,6 +319,27 @@ def nonempty_path(text: str) -> Path:
     return Path(nonempty(text))
 
 
+def not_stdout(text: str) -> str:
+    """An output path flag's value: ``-`` (stdout, as most tools take it) is refused, not
+    made a file or directory named ``-`` in the working directory with nothing said (the
+    output is files, which stdout cannot hold); ``./-`` names such a file."""
+    if text == "-":
+        raise argparse.ArgumentTypeError(
+            "'-' is not stdout here: it would be a path named '-' in the working directory "
+            "(this output is written as files); give a path (./- for that name)")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An output path flag's value: :func:`nonempty` and :func:`not_stdout`."""
+    return not_stdout(nonempty(text))
+
+
+def output_path(text: str) -> Path:
+    """:func:`output_file` as a ``Path``."""
+    return Path(output_file(text))
+
+
 def positive_float(text: str) -> float:
     value = _number(text)
     if not value > 0 or value == float("inf"):

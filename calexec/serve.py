@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="default request deadline in seconds (at most the server's "
                         f"max_timeout_s, {MAX_TIMEOUT_S:g}); a job on the device longer than a "
                         "third of it (at least 5 s) is taken for a hung device")
-    p.add_argument("--dump-dir", type=cliargs.nonempty_path, help="enable the dump sink in this directory")
+    p.add_argument("--dump-dir", type=cliargs.output_path, help="enable the dump sink in this directory")
     p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",

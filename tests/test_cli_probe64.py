@@ -265,3 +265,39 @@ def test_a_trace_write_cut_short_leaves_the_previous_trace(tmp_path: Path):
                                             "cannot write it: File too large")
     assert trace.read_text() == '{"traceEvents": []}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.calbin", "t.json"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "write-calbin", "-"],
+    ["bench", "pingpong", "--trace", "-"],
+    ["golden", "record", "--calbin", "m.calbin", "--out", "-"],
+    ["charts", "names", "--out", "-"],
+    ["charts", "draw", "calexec.machines.charts:JobChart", "--out", "-"],
+    ["diagrams", "--out", "-"],
+    ["diagrams", "--png", "-"],
+    ["conform", "--quick", "--report", "-"],
+    ["accept", "--quick", "--report", "-"],
+    ["charts", "mutate", "--report", "-"],
+    ["serve", "--dump-dir", "-"],
+    ["diagrams", "live", "--job-out", "-"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_an_output_path_of_dash_is_refused_not_made_a_file_named_dash(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        argv: list[str]):
+    """``-`` for an output (``sim write-calbin - | sha256sum``, ``--trace -``, ``--report -``),
+    stdout to most tools, made a file or a directory named ``-`` in the working directory,
+    nothing said (exit 0: the sha256, the trace's table, the pinned golden printed as if
+    written where asked). These outputs are files stdout cannot hold: ``-`` is refused while
+    the command line is parsed, one line naming the flag, nothing made."""
+    from calexec.cliargs import missing_extra
+
+    if argv[:2] == ["serve", "--dump-dir"] or argv[:2] == ["diagrams", "live"]:
+        if missing_extra("server") is not None:
+            pytest.skip("needs the [server] extra")
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    [line] = captured.err.splitlines()
+    assert "'-' is not stdout here" in line and line.startswith(f"calexec {argv[0]}"), line
+    assert captured.out == "" and not os.path.lexists(tmp_path / "-")

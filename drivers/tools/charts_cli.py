@@ -37,7 +37,7 @@ from calexec.cliargs import (
     EXIT_FAILED,
     UserError,
     make_dir,
-    nonempty_path,
+    output_path,
     refuse_non_directory,
     shell_word,
     staged_report,
@@ -138,7 +138,7 @@ def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None
 def draw(argv: list[str]) -> int:
     parser = cli_parser("calexec charts draw", __doc__)
     parser.add_argument("chart", metavar="MODULE:CLASS", help="the chart class to draw")
-    parser.add_argument("--out", type=nonempty_path, default=Path("diagrams"),
+    parser.add_argument("--out", type=output_path, default=Path("diagrams"),
                         help="directory of <Class>.dot/.svg(/.png)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the files in --out are not what the chart renders now")

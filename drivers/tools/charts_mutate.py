@@ -200,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fail-on-survivor", action="store_true",
                         help="exit 1 when a mutant survives that is not a documented equivalent")
     parser.add_argument("--json", action="store_true", help="print the JSON report, not Markdown")
-    parser.add_argument("--report", metavar="DIR", help="also write mutation.md and mutation.json")
+    parser.add_argument("--report", metavar="DIR", type=cliargs.not_stdout,
+                        help="also write mutation.md and mutation.json")
     return parser
 
 

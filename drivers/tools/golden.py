@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--manifest", default=str(default_manifest_path()),
                         help="manifest the calbin is resolved against (default: the packaged "
                              "qwen3_synthetic.toml)")
-    parser.add_argument("--out", type=cliargs.nonempty, default=None,
+    parser.add_argument("--out", type=cliargs.output_file, default=None,
                         help="goldens file to update (default: <manifest stem>.goldens.toml)")
     parser.add_argument("--runtime-lib", default=None,
                         help="calrt.h library to load (default: the bundled emulator)")

@@ -67,9 +67,9 @@ def main(argv: list[str]) -> int:
     """``calexec diagrams live --out PNG [--job-out PNG] [--seconds S] [--clients N]``."""
     parser = cliargs.parser("calexec diagrams live",
                             "Screenshot /debug/statecharts under load, and one job's path.")
-    parser.add_argument("--out", type=cliargs.nonempty, default="docs/img/live.png",
+    parser.add_argument("--out", type=cliargs.output_file, default="docs/img/live.png",
                         help="PNG to write")
-    parser.add_argument("--job-out", default="docs/img/job_path.png",
+    parser.add_argument("--job-out", default="docs/img/job_path.png", type=cliargs.not_stdout,
                         help="PNG of /debug/jobs/{id} for a request failed by an injected CCU "
                              "exception ('' to skip)")
     parser.add_argument("--seconds", type=cliargs.seconds, default=5.0,

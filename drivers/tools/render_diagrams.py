@@ -110,19 +110,19 @@ def main(argv: list[str]) -> int:
         EXIT_CONFIG,
         UserError,
         cannot_write,
-        nonempty_path,
+        output_path,
         refuse_non_directory,
     )
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
-    parser.add_argument("--out", type=nonempty_path, default=Path("diagrams"),
+    parser.add_argument("--out", type=output_path, default=Path("diagrams"),
                         help="output directory")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if any diagram in --out (and --png DIR) is stale (compares "
                              "DOT text and the DOT sha256 the SVG/PNG carry; needs no graphviz "
                              "binary)")
-    parser.add_argument("--png", type=nonempty_path, default=None, metavar="DIR",
+    parser.add_argument("--png", type=output_path, default=None, metavar="DIR",
                         help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
     args = parser.parse_args(argv[1:])
     try:

@@ -11,7 +11,7 @@ import stat
 import sys
 from pathlib import Path
 
-from calexec.cliargs import UserError, command_main, nonempty_path, shell_word, staged_report
+from calexec.cliargs import UserError, command_main, output_path, shell_word, staged_report
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.compiled import names_source
 
@@ -46,7 +46,7 @@ def current_text(path: Path, size: int) -> str | None:
 @command_main
 def main(argv: list[str]) -> int:
     parser = cli_parser("calexec charts names", __doc__)
-    parser.add_argument("--out", type=nonempty_path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=output_path, default=DEFAULT_OUT,
                         help="the generated module (default: machines/chart_names.py of this "
                              "source tree)")
     parser.add_argument("--check", action="store_true",

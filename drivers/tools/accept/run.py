@@ -203,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--full", action="store_true", help="the spec's sizes, 24 h soak")
     p.add_argument("--phase", choices=sorted(PHASES), default="both",
                    help="a: in-flight 1; b: in-flight 2 (PING/PONG); both (default)")
-    p.add_argument("--report", metavar="DIR", type=cliargs.nonempty, help="write report.md, report.json and plots")
+    p.add_argument("--report", metavar="DIR", type=cliargs.output_file, help="write report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--soak-seconds", type=cliargs.seconds,
                    help="soak duration (quick 20, full 86400)")

@@ -1419,7 +1419,7 @@ def main(argv: list[str]) -> int:
                             help="decode tokens per sequence, loaded runs (default 40)")
         parser.add_argument("--solo-tokens", type=cliargs.positive_int, default=60,
                             help="decode tokens of the single-request TPOT run (default 60)")
-        parser.add_argument("--trace", metavar="PATH", type=cliargs.nonempty,
+        parser.add_argument("--trace", metavar="PATH", type=cliargs.output_file,
                             help="write the job timelines (trace-event JSON) of one run")
     else:
         print("usage: calexec bench {overhead|logits|recovery|pingpong} [--json] ...",

@@ -42,7 +42,7 @@ def _u64(text: str) -> int:
 def _write_calbin(argv: list[str]) -> int:
     p = cliargs.parser("calexec sim write-calbin", "Write the default synthetic calbin to PATH "
                        "and print its sha256 (which names the model generation).")
-    p.add_argument("path", help="file to write")
+    p.add_argument("path", type=cliargs.not_stdout, help="file to write")
     # (larger sizes write a calbin the emulator's loader refuses: every command then fails)
     p.add_argument("--tile-d0", type=cliargs.int_in(1, calbin_fmt.MAX_TILE_D0),
                    default=calbin_fmt.DEFAULT_TILE_D0,

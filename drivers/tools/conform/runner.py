@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
                         "the bundled emulator)")
     p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
                    "against its oracle (default: the default synthetic calbin)")
-    p.add_argument("--report", metavar="DIR", type=cliargs.nonempty,
+    p.add_argument("--report", metavar="DIR", type=cliargs.output_file,
                    help="write conformance.md/.json, trace.json, timing.png here")
     p.add_argument("--json", action="store_true", help="print the run as one JSON object on stdout")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
