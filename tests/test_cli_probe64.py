@@ -7,6 +7,7 @@ import io
 import os
 import re
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -301,3 +302,36 @@ def test_an_output_path_of_dash_is_refused_not_made_a_file_named_dash(
     [line] = captured.err.splitlines()
     assert "'-' is not stdout here" in line and line.startswith(f"calexec {argv[0]}"), line
     assert captured.out == "" and not os.path.lexists(tmp_path / "-")
+
+
+def test_charts_cover_interrupted_ends_what_its_test_command_started(tmp_path: Path):
+    """``charts cover --chart C -- COMMAND`` sent a SIGTERM (or a Ctrl-C to calexec alone:
+    ``timeout``, a supervisor, ``kill -INT``) while the command ran: ``subprocess.call``
+    killed the command's first process only, and what it had started (here a shell's
+    background job; pytest-xdist's workers) ran on after exit 130. The command now runs in a
+    process group of its own, killed whole: the job it started ends with it."""
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    command = f"sleep 600 & echo $! > {shlex.quote(str(fifo))}; wait"
+    log = tmp_path / "stderr"
+    with open(log, "w", encoding="utf-8") as stderr:  # (a file: the job would hold a pipe)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "calexec", "charts", "cover", "--chart",
+             "calexec.machines.charts:JobChart", "--", "bash", "-c", command],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path)
+    try:
+        with open(fifo, encoding="utf-8") as started:  # (until the job runs: a barrier)
+            job = int(started.read())
+        watch = os.pidfd_open(job)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    err = log.read_text(encoding="utf-8")
+    try:
+        ended, _, _ = select.select([watch], [], [], 60.0)  # (readable once the job ended)
+        if not ended:
+            os.kill(job, signal.SIGKILL)  # (not left behind by the test either)
+    finally:
+        os.close(watch)
+    assert proc.returncode == 130 and err.splitlines()[-1] == "calexec charts cover: interrupted"
+    assert ended, "the test command's background job outlived calexec charts cover"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,24 @@ OUT_ENV = "CALEXEC_CHART_COVER_DIR"
 SITECUSTOMIZE = sitecustomize_source(
     "`calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.",
     "calexec.drivers.tools.charts_cover")
+
+
+
+def _call(command: list[str], env: dict[str, str]) -> int:
+    """Run the test command to its end and return its exit code. It runs in its own process
+    group, killed whole on an interrupt (a Ctrl-C, a SIGTERM): ``subprocess.call`` killed
+    the command's first process alone, and what it had started ran on after exit 130 (a
+    shell's background job, pytest-xdist's workers), as ``charts mutate`` kills its runs."""
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # (its group is gone already)
+            pass
+        proc.wait()
+        raise
 
 
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
@@ -175,10 +194,10 @@ def main(argv: list[str]) -> int:
         env[OUT_ENV] = str(scratch)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(site), os.getcwd(), env.get("PYTHONPATH")]))
-        try:  # (a SIGTERM is an interrupt: subprocess.call kills the command on it, as on
-            # a Ctrl-C; the signal ended calexec alone and left the command running)
+        try:  # (a SIGTERM is an interrupt, as a Ctrl-C: the signal ended calexec alone and
+            # left the command running)
             with sigterm_interrupts():
-                code = subprocess.call(args.command, env=env)
+                code = _call(args.command, env)
         except OSError as err:
             raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
         hits, loaded, errors = merge(scratch)
