@@ -22,8 +22,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -31,6 +29,7 @@ from pathlib import Path
 
 from calexec.cliargs import EXIT_FAILED, UserError, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
+from calexec.drivers.tools.bench.subproc import call_group
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
@@ -52,23 +51,6 @@ SITECUSTOMIZE = sitecustomize_source(
     "`calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.",
     "calexec.drivers.tools.charts_cover")
 
-
-
-def _call(command: list[str], env: dict[str, str]) -> int:
-    """Run the test command to its end and return its exit code. It runs in its own process
-    group, killed whole on an interrupt (a Ctrl-C, a SIGTERM): ``subprocess.call`` killed
-    the command's first process alone, and what it had started ran on after exit 130 (a
-    shell's background job, pytest-xdist's workers), as ``charts mutate`` kills its runs."""
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
-    try:
-        return proc.wait()
-    except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:  # (its group is gone already)
-            pass
-        proc.wait()
-        raise
 
 
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
@@ -197,7 +179,7 @@ def main(argv: list[str]) -> int:
         try:  # (a SIGTERM is an interrupt, as a Ctrl-C: the signal ended calexec alone and
             # left the command running)
             with sigterm_interrupts():
-                code = _call(args.command, env)
+                code = call_group(args.command, env)
         except OSError as err:
             raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
         hits, loaded, errors = merge(scratch)

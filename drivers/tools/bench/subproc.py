@@ -1,7 +1,8 @@
 """One way the benchmarks run a helper program that prints one JSON report (the C floor
 program, the out-of-process load generator): bounded by a timeout, and every failure an error
 of the caller's kind naming the program and the last line it printed; and the one way the
-tools run a build (``make``, the compiler it starts): :func:`run_group`."""
+tools run a build (``make``, the compiler it starts): :func:`run_group`; a command whose output
+is calexec's own (``charts cover``'s test command): :func:`call_group`."""
 
 from __future__ import annotations
 
@@ -41,6 +42,21 @@ def run_group(argv: Sequence[str], timeout: float | None = None,
             proc.kill()
         raise
     return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+
+
+def call_group(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run ``argv`` with calexec's stdin, stdout and stderr to its end, as ``subprocess.call``
+    does, and return its exit code; but in a process group of its own, killed whole when the
+    caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
+    ``subprocess.call`` kills only the program it started, and what that had started (a
+    shell's background job, pytest-xdist's workers) ran on (``charts cover``'s command)."""
+    proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:  # (KeyboardInterrupt: the group ends with the call)
+        _kill_group(proc)
+        proc.wait()
+        raise
 
 
 def run_json_program(argv: Sequence[str], timeout: float, what: str,
