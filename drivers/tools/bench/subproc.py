@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # (already gone)
