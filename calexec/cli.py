@@ -44,6 +44,7 @@ from calexec.cliargs import (
     as_user_error,
     cannot_write,
     missing_extra,
+    remove_empty_output_dirs,
     sigterm_interrupts,
 )
 from calexec.commands import COMMANDS, lookup
@@ -263,7 +264,10 @@ def _run(argv: list[str] | None) -> int:
         # end with it (they left /tmp/calexec-* behind, and `bench server`'s load generators
         # and `bench overhead`'s build ran on); `serve` drains on it instead (docs/operations.md)
         with contextlib.nullcontext() if name == "serve" else sigterm_interrupts():
-            return int(module.main(argv) or 0)
+            try:
+                return int(module.main(argv) or 0)
+            finally:  # (a report directory made for a run that wrote nothing: not left)
+                remove_empty_output_dirs()
     except UserError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return exc.code

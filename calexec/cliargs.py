@@ -411,13 +411,36 @@ def make_dir(flag: str, path: str | os.PathLike[str]) -> None:
         raise cannot_make_dir(flag, path, exc) from None
 
 
+#: the directories :func:`output_dir` made (each missing parent too), deepest last: those
+#: still empty when the command ends are removed (:func:`remove_empty_output_dirs`)
+_MADE_OUTPUT_DIRS: list[str] = []
+
+
 def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
     """Make the directory a command writes its report into, before the run (a run can last
     hours), and check that each of ``files`` in it can be written (:func:`writable_file`):
-    one line naming ``flag`` and ``path`` (UserError, exit 2) when not (:func:`make_dir`)."""
+    one line naming ``flag`` and ``path`` (UserError, exit 2) when not (:func:`make_dir`).
+    Made here, it is removed again when the command ends with nothing written in it (a
+    Ctrl-C during the run, a flag refused after it: ``calexec`` calls
+    :func:`remove_empty_output_dirs`), so no empty report directory is left behind."""
+    missing, parent = [], os.path.abspath(path)
+    while not os.path.lexists(parent) and parent != os.path.dirname(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
     make_dir(flag, path)
+    _MADE_OUTPUT_DIRS.extend(reversed(missing))
     for name in files:
         writable_file(flag, os.path.join(path, name), path)
+
+
+def remove_empty_output_dirs() -> None:
+    """Remove each directory :func:`output_dir` made that is still empty, deepest first (the
+    command is over: it wrote nothing there); one that holds a file stays."""
+    while _MADE_OUTPUT_DIRS:
+        try:
+            os.rmdir(_MADE_OUTPUT_DIRS.pop())
+        except OSError:  # (not empty: the report, or the user's file; gone already)
+            continue
 
 
 @contextlib.contextmanager

@@ -335,3 +335,20 @@ def test_charts_cover_interrupted_ends_what_its_test_command_started(tmp_path: P
         os.close(watch)
     assert proc.returncode == 130 and err.splitlines()[-1] == "calexec charts cover: interrupted"
     assert ended, "the test command's background job outlived calexec charts cover"
+
+
+def test_a_refused_run_leaves_no_report_directory_it_made(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``accept --report new/dir --runtime-lib /nonexistent``: the
+    report directory, made before the run so that a bad one is named at once, stayed behind
+    when a flag checked after it was refused (exit 2) or the run was interrupted (exit 130),
+    an empty directory (its parents too) the user never got a report in. A directory the
+    command made and wrote nothing in is removed when it ends; one that was there stays."""
+    made, there = tmp_path / "new" / "dir", tmp_path / "there"
+    there.mkdir()
+    for report in (made, there):
+        code = cli.main(["accept", "--quick", "--report", str(report), "--runtime-lib",
+                         "/nonexistent"])
+        captured = capsys.readouterr()
+        assert code == 2 and "/nonexistent" in captured.err, captured
+    assert not (tmp_path / "new").exists() and there.is_dir()
