@@ -23,14 +23,12 @@ tools rely on (used by the tests and by ``calexec bench pingpong --trace``).
 from __future__ import annotations
 
 import json
-import os
-import stat
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from calexec.contracts.files import write_whole
 from calexec.contracts.types import JobTimings
 
 HOST_TID_BASE = 100  # host lanes: tid = HOST_TID_BASE + seq_id, after the in-flight lanes
@@ -128,36 +126,9 @@ def write_trace(path: str, runs: Mapping[str, Iterable[TracedJob]]) -> dict[str,
     file yet) at ``path`` is replaced only by a whole trace: the JSON goes into a scratch file
     beside it first, renamed over it once written, so a write cut short (a full disk, a
     Ctrl-C) leaves the previous file as it was, never a truncated trace in its place; a FIFO
-    or a device (``/dev/stdout``) is written as it is."""
+    or a device (``/dev/stdout``) is written as it is (``contracts.files.write_whole``)."""
     trace = trace_events(runs)
-    text = json.dumps(trace)
-    try:
-        mode: int | None = os.stat(path).st_mode
-    except FileNotFoundError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        return trace
-    target = os.path.realpath(path) if os.path.islink(path) else path  # (through a link)
-    head, tail = os.path.split(target)
-    scratch = os.path.join(head, f".{tail}.{uuid.uuid4().hex[:12]}.partial")
-    try:
-        # (O_EXCL with open()'s mode: a new trace gets the mode a plain write gives it)
-        with open(os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
-                  encoding="utf-8") as f:
-            f.write(text)
-        if mode is not None:  # (the file replaced keeps its mode)
-            os.chmod(scratch, stat.S_IMODE(mode))
-        os.replace(scratch, target)
-    except BaseException as exc:
-        try:
-            os.unlink(scratch)
-        except OSError:
-            pass
-        if isinstance(exc, OSError) and exc.filename is not None:  # (named as the trace)
-            raise OSError(exc.errno, exc.strerror or str(exc), path) from None
-        raise
+    write_whole(path, json.dumps(trace).encode("utf-8"))
     return trace
 
 
