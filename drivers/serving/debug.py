@@ -98,8 +98,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
                                           f"{', '.join(JOB_FORMATS)}"), "format")
         wanted = int(job_id)
         record = executor.job_trail(wanted)
-        if record is None:
-            return error_response(invalid(
+        if record is None:  # a 404's code, as every other 404 (it was `request.invalid`, a 400's)
+            return error_response(Status.failure(
+                "request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                 f"job_id={wanted}: unknown, still running, or older than the last "
                 f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
         if view == "json":
