@@ -98,6 +98,24 @@ def infers(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def resets(monkeypatch):
+    """Every device reset the driver saw, by kind (``Device.reset``/``reset_ccu`` wrapped by
+    the test): a recovery provably reset the device or provably did not, not only what the
+    executor's recovery record says. (``reset_configuration`` is not counted: every
+    generation's teardown calls it, the inverse of its ``configure``.)"""
+    calls: list[str] = []
+    for name in ("reset", "reset_ccu"):
+        real = getattr(Device, name)
+
+        def recorded(self, *args, real=real, name=name):
+            calls.append(name)  # list.append: atomic
+            return real(self, *args)
+
+        monkeypatch.setattr(Device, name, recorded)
+    return calls
+
+
 def golden_jobs(ex, infers) -> int:
     """Jobs of the §9.2 golden run the device accepted for the current generation (its own
     KvManager, the golden's sequence): the golden provably ran, not only ``golden_passed``."""
@@ -262,15 +280,23 @@ def test_fi14_stale_completion_after_reset_never_touches_the_new_generation(calb
     (26, Category.UNKNOWN, Action.RESET_REBUILD, "Ready"),
 ])
 def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc, category,
-                                                                    action, end, infers):
+                                                                    action, end, infers,
+                                                                    resets):
     with running_executor(calbins["main"]) as ex:
         at_start = golden_jobs(ex, infers)
+        resets_at_start = len(resets)
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "SUBMIT_RC", rc=rc)
         res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
         assert isinstance(res, Status) and res.raw == rc and res.category == category
         assert last_action(ex) is action
         assert wait_state(ex, (end,)) == end
+        # §8: only the Device row (and Unknown, "treated as a tainted device generation")
+        # resets the device, once, with the policy's reset; "no reset" for the request/
+        # artifact and programming rows, and none for a drain and rebuild, a rollback or a
+        # stop (counted at the driver)
+        assert resets[resets_at_start:] == (["reset"] if action is Action.RESET_REBUILD
+                                            else []), resets
         if end == "Ready":
             assert ex.life.golden_passed()
             rebuilt = action not in (Action.RECORD, Action.DISABLE_FEATURE)
@@ -287,6 +313,54 @@ def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc,
         assert list(ex.faults.manifest_differences)[-1].raw == rc
     if action is Action.DISABLE_FEATURE:
         assert "submit" in ex.faults.disabled_features
+
+
+def test_a_transient_fault_reduces_the_executors_admission_budget(calbins):
+    """§8 Transient row, column "new admission": reduced. A busy/timeout fault below the
+    threshold halves (``reduced_admission``) the token budget the executor admits against:
+    a 20-token prefill admitted before it is refused RESOURCE_EXHAUSTED (429) naming the
+    reduced budget, a 16-token one still served. (``test_fi07_*`` only read the controller's
+    ``admission_factor()``: admission could ignore it and no test failed.)"""
+    policy = RecoveryPolicy(submit_retries=0, transient_window_s=3600.0)
+    twenty = [7 + (i % 9) for i in range(20)]
+    with running_executor(calbins["main"], recovery=policy, max_pending_tokens=32) as ex:
+        before = ex.enqueue(prefill(2, twenty)).wait_until(deadline())
+        assert not isinstance(before, Status), before
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=17)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 17 and res.category == Category.TRANSIENT
+        assert last_action(ex) is Action.REDUCE_ADMISSION and ex.state == "Ready"
+        refused = ex.enqueue(prefill(2, twenty)).wait_until(deadline())
+        assert isinstance(refused, Status) and refused.category is Category.RESOURCE_EXHAUSTED
+        assert refused.http_status == 429 and "> 16 (max_pending_tokens=32" in refused.message
+        served = ex.enqueue(prefill(2, twenty[:16])).wait_until(deadline())
+        assert not isinstance(served, Status), served
+        assert ex.gen.id == 1  # below the threshold: no recovery
+
+
+def test_an_artifact_fault_rolls_back_to_the_last_known_good_other_calbin(calbins, resets):
+    """§8 Artifact row (4, 5, 19, 10-12): refuse the generation and roll back to the last
+    known good model. After a switch from ``main`` to ``other`` (both passed their golden),
+    an invalid-calbin fault on ``other`` brings ``main`` back as generation 3, golden first,
+    no reset; it serves ``main``'s oracle. (The one-scenario-per-category test runs on the
+    only calbin it started with, where a rollback and a rebuild of the same calbin look the
+    same: the rollback target was never checked.)"""
+    path = calbins["other"] + ".rollback"
+    other_sha = cb.write(path, cb.default_spec(seed=OTHER_SEED))
+    with running_executor(calbins["main"], goldens={other_sha: oracle_golden(OTHER_SEED)}) as ex:
+        assert ex.switch_model(path).ok and ex.gen.calbin_path == path and ex.gen.id == 2
+        assert serves_oracle(ex, seq=2, seed=OTHER_SEED)
+        resets_before = len(resets)
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=19)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 19 and res.category == Category.ARTIFACT
+        assert last_action(ex) is Action.ROLLBACK
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        assert ex.gen.id == 3 and ex.gen.calbin_path == calbins["main"], ex.gen.calbin_path
+        assert ex.life.golden_passed() and resets[resets_before:] == []
+        assert serves_oracle(ex, seq=2, seed=SEED)
 
 
 def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
