@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 
@@ -18,13 +19,13 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.calrt.runtime import CalRT, Device, Did, Stage
+from calexec.drivers.calrt.runtime import CalRT, Device, Did, Fault, Stage
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.faults import Action, RecoveryPolicy
+from calexec.machines.faults import Action, FaultController, RecoveryPolicy
 from calexec.machines.job import InferenceResult
 from calexec.machines.pool import BufferPool
 from executor_harness import (
@@ -361,6 +362,47 @@ def test_an_artifact_fault_rolls_back_to_the_last_known_good_other_calbin(calbin
         assert ex.gen.id == 3 and ex.gen.calbin_path == calbins["main"], ex.gen.calbin_path
         assert ex.life.golden_passed() and resets[resets_before:] == []
         assert serves_oracle(ex, seq=2, seed=SEED)
+
+
+def test_submit_busy_retries_sleep_a_bounded_exponential_backoff(calbins, monkeypatch):
+    """§8 Transient row, automatic action "bounded backoff": each retry of a busy ``infer()``
+    is preceded by a sleep of ``backoff_base_s * 2**(attempt-1)`` capped at
+    ``backoff_max_s`` (no jitter here: exact), then the job fails TRANSIENT after
+    ``submit_retries``. The sleeps are read where the submitter takes them (the clock's
+    ``sleep`` called from ``_after_infer``): a retry without a pause, or a backoff growing
+    past its cap, failed no test (the retry test counted retries only)."""
+    policy = RecoveryPolicy(submit_retries=4, backoff_base_s=0.001, backoff_max_s=0.004,
+                            jitter=0.0)
+    with running_executor(calbins["main"], recovery=policy) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        slept: list[float] = []
+        real = type(ex.clock).sleep
+
+        def recorded(self, seconds, *args, **kwargs):
+            if sys._getframe(1).f_code.co_name == "_after_infer":
+                slept.append(seconds)
+            return real(self, seconds, *args, **kwargs)
+
+        monkeypatch.setattr(type(ex.clock), "sleep", recorded)
+        arm(ex, "SUBMIT_RC", "ALWAYS", rc=17)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert ex.device.emu.clear_fault(Fault.SUBMIT_RC) == 0
+        monkeypatch.undo()
+        assert isinstance(res, Status) and res.raw == 17 and res.category == Category.TRANSIENT
+        assert slept == [0.001, 0.002, 0.004, 0.004], slept
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_the_backoff_is_exponential_capped_and_jittered_within_its_fraction(seed):
+    """``FaultController.backoff``: attempt n waits ``min(max, base * 2**(n-1))`` times a
+    factor in ``[1 - jitter, 1 + jitter]`` (seeded), never negative, never past the cap
+    plus its jitter."""
+    policy = RecoveryPolicy(backoff_base_s=0.001, backoff_max_s=0.02, jitter=0.5)
+    controller = FaultController(policy, seed=seed)
+    for attempt in range(1, 12):
+        nominal = min(0.02, 0.001 * 2 ** (attempt - 1))
+        got = controller.backoff(attempt)
+        assert 0.5 * nominal <= got <= 1.5 * nominal, (attempt, got)
 
 
 def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
