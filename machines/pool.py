@@ -245,10 +245,12 @@ class BufferSlot:
 class BufferLease:
     """Move-only ownership of one leased slot (§4.2 ``BufferLease``)."""
 
-    __slots__ = ("_slot", "_state", "owner")
+    __slots__ = ("_pool", "_slot", "_state", "owner")
 
     def __init__(self, slot: BufferSlot, owner: int | None = None) -> None:
         self._slot: BufferSlot | None = slot
+        # kept past a move or release: the misuse of a spent lease is counted on its pool
+        self._pool: BufferPool = slot._pool
         self._state = "held"  # held | moved | released
         self.owner = owner
 
@@ -280,15 +282,16 @@ class BufferLease:
         return slot._pool._give_back(slot)
 
     def _misuse(self, what: str) -> NoReturn:
-        pool = None if self._slot is None else self._slot._pool
-        if pool is not None:
-            pool.misuse += 1
+        # (a spent lease has no slot: the pool it came from counts it; no pool_mu, which the
+        # caller may hold: ``mark_in_flight`` reads ``lease.slot`` under it)
+        self._pool.misuse += 1
         raise LeaseError(f"{what} (owner job {self.owner})")
 
     def __copy__(self) -> NoReturn:
         raise LeaseError("BufferLease is move-only: use moved(), never copy")
 
-    __deepcopy__ = __copy__
+    def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
+        raise LeaseError("BufferLease is move-only: use moved(), never copy")
 
     def __reduce__(self) -> NoReturn:
         raise LeaseError("BufferLease is move-only and cannot be pickled")
