@@ -189,6 +189,10 @@ class FaultController:
             return Decision(Action.NONE, status, "ok", now)
         action = _ACTIONS.get(category, Action.NONE)
         reason = f"{category.value}: {status.code}"
+        if action is Action.RECORD:
+            reason += ("; a manifest difference: the runtime refused what the manifest's checks "
+                       "passed, compare the manifest with the calbin (the generation serves on, "
+                       "no reset)")
         if action is Action.REDUCE_ADMISSION:
             window = self._transients
             window.append(now)
@@ -236,7 +240,13 @@ class FaultController:
             elif decision.action is Action.DISABLE_FEATURE:
                 self.disabled_features.add(status.phase.value if status.phase else status.code)
         if decision.action is Action.DISABLE_FEATURE and self.executor is not None:
-            self.executor.disable_feature(status, job)
+            self.executor.disable_feature(status, job)  # (it logs the feature switched off)
+        if decision.action in (Action.RECORD, Action.REDUCE_ADMISSION):
+            # §8: the generation serves on, nothing drains or resets; the fault is still its
+            # one line (docs/operations.md), or the manifest difference the row records and
+            # the reduced admission were told to nobody but a Python deque and a factor
+            log.warning("%sfault %s -> %s (%s)", "INJECTED " if injected else "", status,
+                        decision.action.value, decision.reason)
         if decision.action not in (Action.NONE, Action.RECORD, Action.REDUCE_ADMISSION,
                                    Action.DISABLE_FEATURE):
             log.warning("%sfault %s -> %s (%s)", "INJECTED " if injected else "",

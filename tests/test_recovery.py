@@ -405,6 +405,32 @@ def test_the_backoff_is_exponential_capped_and_jittered_within_its_fraction(seed
         assert 0.5 * nominal <= got <= 1.5 * nominal, (attempt, got)
 
 
+@pytest.mark.parametrize(("rc", "action", "words"), [
+    (14, "record", "a manifest difference: the runtime refused what the manifest's checks passed"),
+    (17, "reduce_admission", "transient: calrt.submit_failed"),
+])
+def test_a_fault_that_only_records_or_reduces_admission_still_has_its_log_line(
+        calbins, caplog, rc, action, words):
+    """§8: the request/artifact row "records the manifest difference", the transient row
+    reduces admission; neither drains nor resets, and neither wrote a line (the record was a
+    Python deque no operator reads): a ``calexec serve`` whose runtime refused a shape or a
+    bound gave its client a 500 and its log nothing. Each is the controller's one WARNING
+    fault line now (docs/operations.md), with the raw code and the action."""
+    caplog.set_level(logging.WARNING, logger="calexec.faults")
+    with running_executor(calbins["main"], recovery=RecoveryPolicy(submit_retries=0)) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=rc)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == rc
+        assert last_action(ex).value == action and ex.state == "Ready" and ex.gen.id == 1
+        lines = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith(f"INJECTED fault calrt.submit_failed [{res.category.value}/submit]")
+    for part in (f"job_id={res.job_id}", "seq_id=1", f"raw={rc})", f"-> {action} (", words):
+        assert part in line, (part, line)
+
+
 def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
     policy = RecoveryPolicy(transient_threshold=3, submit_retries=0)
     with running_executor(calbins["main"], recovery=policy) as ex:
