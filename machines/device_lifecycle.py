@@ -1689,11 +1689,13 @@ class DeviceLifecycle:
         # the idle executor threads get to end, within ``fence_grace_s``
         fenced = host.gen is None or self._fence(
             host.gen, min(host.config.fence_grace_s, max(budget, THREADS_EXIT_S)))
+        # (the lifecycle's failure names the thread; only this call, which keeps everything,
+        # says it tore nothing down: a later shutdown that tears down answers the failure)
         fence_failure = None if fenced else Status.failure(
             "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
             f"a request thread (an enqueue, decode_sync or a decode stream's submit in its "
             f"admission) still worked on generation {host.gen.id if host.gen else '-'} after "
-            f"grace={grace}s; nothing was torn down")
+            f"grace={grace}s")
         if not host.config.threads:
             while host.submit_one():
                 pass
@@ -1719,8 +1721,10 @@ class DeviceLifecycle:
             if self.run.state == LIFECYCLE_STOPPED:
                 return Status.OK
             return self.failure or self.start_status or Status.OK
-        if not fenced:  # a request thread still writes the generation's buffer slot
-            return fence_failure or self.failure or Status.OK
+        if not fenced and fence_failure is not None:  # a request thread still writes the
+            # generation's buffer slot
+            return attrs.evolve(fence_failure, message=f"{fence_failure.message}; nothing "
+                                "was torn down (a later shutdown tears down once it left)")
         if not drained:
             # the runtime may still DMA into our buffers: keep everything mapped and alive
             # (a recovery that a shutdown stopped may have ended Stopped before this drain)

@@ -197,6 +197,53 @@ def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_
         assert snap["generation"] is None and snap["slots"] is None, snap
 
 
+def test_a_later_shutdown_that_tears_down_never_says_nothing_was_torn_down(
+        calbin, monkeypatch):
+    """After a ``shutdown`` a request thread's preparation kept from tearing down (answered
+    ``shutdown.not_drained``, "nothing was torn down"), the later ``shutdown`` that tears the
+    generation down and closes the device answered those very words again, and ``health()``
+    kept saying them for good: an embedder could not tell that the device was closed (and
+    one retrying while told "nothing was torn down" never stopped). The lifecycle's failure
+    names the request thread; only the call that kept everything says it kept it."""
+    import threading
+
+    from calexec.machines.pool import BufferSlot
+
+    holding, opened = threading.Event(), threading.Event()
+    holder: list[threading.Thread] = []
+    prepare = BufferSlot.prepare
+
+    def gated_prepare(slot, request):
+        if holder and threading.current_thread() is holder[0] and not opened.is_set():
+            holding.set()
+            opened.wait(10.0)
+        return prepare(slot, request)
+
+    monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    with running_executor(calbin) as ex:
+        thread = threading.Thread(target=lambda: ex.enqueue(prefill(1, [3, 14, 15])).result(
+            10.0), name="request")
+        holder.append(thread)
+        thread.start()
+        try:
+            assert holding.wait(10.0), "the request never reached its preparation"
+            first = ex.shutdown(0.0)
+        finally:
+            opened.set()
+            thread.join(10.0)
+        assert not thread.is_alive()
+        assert first.code == "shutdown.not_drained", first
+        assert "nothing was torn down" in first.message, first.message
+        later = ex.shutdown(5.0)  # the thread left: this one tears down
+        snap = ex.snapshot()
+        assert snap["generation"] is None and snap["slots"] is None, snap
+        assert later.code == "shutdown.not_drained", later  # (the lifecycle stays Failed)
+        assert "a request thread" in later.message, later.message
+        assert "nothing was torn down" not in later.message, later.message
+        assert not any("nothing was torn down" in reason for reason in ex.health()), \
+            ex.health()
+
+
 def test_a_child_forked_after_shutdown_answers_as_after_a_shutdown(calbin):
     """An executor the parent shut down (its device closed) has nothing of the parent's
     left to guard: the child's copy answers as the parent's does, the shutdown named."""
