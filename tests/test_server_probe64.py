@@ -199,10 +199,46 @@ def test_a_client_still_sending_its_body_when_a_drain_ends_gets_the_draining_503
         assert headers["retry-after"] and headers["connection"] == "close", headers
         error = json.loads(rest)["error"]
         assert error["code"] == "lifecycle.unavailable", error
-        assert "grace ran out before the request's body arrived" in error["message"], error
+        assert error["message"].startswith("server drained: no admitted request was left "
+                                           "running, and it stopped waiting, before the "
+                                           "request's body arrived whole"), error
         assert how == "eof", how
         assert code == 0, stderr[-3000:]
         assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
+def test_a_body_a_drain_cut_before_its_grace_was_over_is_not_told_the_grace_ran_out(tmp_path):
+    """The draining 503 of a body still arriving said "its grace ran out" whenever the drain
+    stopped waiting for requests, also at once with none admitted: ``--grace 30``, the body's
+    client was told the 30 s had run out a moment after SIGTERM. It says why the drain
+    stopped waiting: no admitted request left (the grace's end says the grace)."""
+    proc, url = serve_process(tmp_path, "--grace", "30")
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while b"}" not in answer:  # (the /health answer is one JSON object)
+                chunk = sock.recv(4096)
+                assert chunk, f"the connection closed after {answer!r}"
+                answer += chunk
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                         % len(body) + body[:-4])
+            proc.send_signal(signal.SIGTERM)
+            data, how = read_until_closed(sock)
+        code, stderr = stopped(proc)
+        status, _, rest = split_head(data)
+        assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
+        message = json.loads(rest)["error"]["message"]
+        assert "grace" not in message, message
+        assert "no admitted request was left running" in message, message
+        assert code == 0, stderr[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

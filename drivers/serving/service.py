@@ -1682,8 +1682,10 @@ class CompletionService:
         slack = self.config.deadline_slack_s
         self.grace_over = True
         # a client still sending its body gets the draining 503 now (uvicorn's shutdown
-        # would cut its connection after SHUTDOWN_WAIT_S with a plain-text 500)
-        self.bodies.cut()
+        # would cut its connection after SHUTDOWN_WAIT_S with a plain-text 500), told why:
+        # the grace is over, or (at once, long before it) no admitted request was left
+        self.bodies.cut("its grace ran out" if self.active or time.monotonic() >= deadline
+                        else "no admitted request was left running, and it stopped waiting,")
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut%s", grace,
                         self.active, self.running_ids())

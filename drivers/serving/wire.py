@@ -425,9 +425,14 @@ class BodyReads:
     def __init__(self) -> None:
         self._scopes: set[anyio.CancelScope] = set()
         self.cut_done = False
+        #: why the drain stopped waiting (:meth:`cut`), for the 503 of a body it cut
+        self.why = ""
 
-    def cut(self) -> None:
-        """End every body read under way now, and every later one at once."""
+    def cut(self, why: str = "its grace ran out") -> None:
+        """End every body read under way now, and every later one at once; ``why`` the drain
+        stopped waiting for requests (its grace over, or none left running), as the 503 of
+        such a body says it."""
+        self.why = why
         self.cut_done = True
         for scope in list(self._scopes):
             scope.cancel()
@@ -460,9 +465,9 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
             return BodyRefusal(Status.cancelled(Phase.VALIDATE, str(gone)), 499)
         except BodyTimeout as late:
             return BodyRefusal(body_timeout(str(late), timeout), 408, CLOSE)
-    if scope is not None and scope.cancelled_caught:
+    if scope is not None and scope.cancelled_caught and reads is not None:
         return BodyRefusal(Status.unavailable(
-            Phase.ADMISSION, "server drained: its grace ran out before the request's body "
+            Phase.ADMISSION, f"server drained: {reads.why} before the request's body "
             "arrived whole; retry"), 503, CLOSE)
     if raw is None:
         return BodyRefusal(body_too_large(limit), 413, CLOSE)
