@@ -254,8 +254,12 @@ def _counting(chart: CompiledChart, runs: Callable[[], Iterable[object]]
 class TransitionRates:
     """Transitions taken per minute over the last ``window_s``, per chart and transition id,
     from differences of the charts' taken counters sampled when asked (at most once a
-    second). Over less than a second (just after the first sample) a count is read as per
-    second (x 60), not extrapolated from the few milliseconds it took."""
+    second): the count over the window divided by its minutes, as Prometheus's
+    ``rate(x[1m])`` reads it. Before the first sample is ``window_s`` old (just after the
+    inspector started or a chart was registered) nothing was taken before it, so the count
+    is still divided by the whole window, never extrapolated from the seconds since: one
+    transition is 1 per minute for a minute, then 0 (it read 60 just after the first
+    sample, then 30, 20 ... as the seconds went by with nothing taken)."""
 
     def __init__(self, taken: Callable[[], dict[str, tuple[int, ...]]],
                  window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -295,9 +299,11 @@ class TransitionRates:
         span = now - start
         if span <= 0:
             return {name: [0.0] * len(counts) for name, counts in snap.items()}
-        # over less than a sample gap (just after start or registration) the count is per
-        # that gap, not extrapolated: one transition 2 ms in read 30,000/min
-        scale = 60.0 / max(span, _MIN_SAMPLE_GAP_S)
+        # over the whole window even when the first sample is younger (nothing counted before
+        # it: a rate extrapolated from the seconds since read one transition as 60/min, then
+        # 30, 20 ... falling while nothing happened); a first sample older than the window (no
+        # poll for a while) spreads its count over the time since
+        scale = 60.0 / max(span, self.window_s)
         return {name: [round((new - before) * scale, 1)
                        for new, before in zip(counts, old.get(name, (0,) * len(counts)),
                                               strict=True)]

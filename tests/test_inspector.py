@@ -59,9 +59,10 @@ def test_counts_rates_and_one_path_of_a_user_chart(shop):
         assert chart["counts"] == {"cart": 1, "placed": 1, "paid": 1, "shipped": 0,
                                    "delivered": 0, "cancelled": 0}
         ids = {(t.source, t.event): t.id for t in compiled(OrderWorkflow).transitions}
-        # 2 places (one per run kind) and 1 pay in 30 s: 4 and 2 per minute
-        assert chart["per_minute"][ids[("cart", "place")]] == pytest.approx(4.0)
-        assert chart["per_minute"][ids[("placed", "pay")]] == pytest.approx(2.0)
+        # 2 places (one per run kind) and 1 pay in the last minute (the 30 s since the
+        # inspector began): 2 and 1 per minute
+        assert chart["per_minute"][ids[("cart", "place")]] == pytest.approx(2.0)
+        assert chart["per_minute"][ids[("placed", "pay")]] == pytest.approx(1.0)
         assert chart["per_minute"][ids[("paid", "ship")]] == 0.0
         one = client.get("/charts/runs/o1?format=json").json()
         assert one["state"] == "paid" and [(s["event"], s["from"], s["to"])
@@ -142,8 +143,8 @@ def test_a_chart_registered_late_has_no_rate_from_its_past(monkeypatch):
     now[0] = 40.0
     assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == 0.0
     shared.run(Order(items=["pen"])).send("place")  # one after it: counted
-    now[0] = 50.0  # 1 in the 40 s since the first sample
-    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.5)
+    now[0] = 50.0  # 1 in the last minute (the 40 s since the first sample)
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.0)
 
 
 def test_a_hierarchical_chart_counts_every_active_state_and_follows_one_run(monkeypatch):
@@ -381,8 +382,8 @@ def test_counts_for_a_state_the_chart_lacks_or_below_zero_are_named(monkeypatch,
 
 def test_a_rate_just_after_the_first_sample_is_not_extrapolated_from_milliseconds(monkeypatch):
     """One transition 2 ms after the inspector's first sample read 30,000 per minute (the
-    count over 2 ms, times 60 s): the live page showed a burst that never was. Over less
-    than a second it is now read as per second."""
+    count over 2 ms, times 60 s): the live page showed a burst that never was (until stop 64
+    it then read 60, as per second: see the test below)."""
     monkeypatch.syspath_prepend(str(EXAMPLES))
     from order_workflow import Order, OrderWorkflow
 
@@ -392,9 +393,34 @@ def test_a_rate_just_after_the_first_sample_is_not_extrapolated_from_millisecond
     place = next(t for t in compiled(OrderWorkflow).transitions if t.event == "place")
     compiled(OrderWorkflow).run(Order(items=["pen"])).send("place")
     now[0] += 0.002
-    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(60.0)
-    now[0] += 29.998  # one in 30 s: 2 per minute, as before
-    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(2.0)
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.0)
+    now[0] += 29.998  # one in the last minute
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.0)
+
+
+def test_one_transition_reads_one_per_minute_for_the_whole_window(monkeypatch):
+    """One transition seconds after ``register`` read 60 per minute at the next poll (the
+    count per second since the first sample, times 60), then 30, 20, 12 ... as the page polled
+    on with nothing taken: a rate falling from a burst that never was. Nothing was counted
+    before the first sample, so the count over the last minute is that one transition: 1 per
+    minute at every poll within the window (the page polls each second), then 0."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    now = [500.0]
+    inspector = Inspector(window_s=60.0, clock=lambda: now[0])
+    inspector.register(OrderWorkflow, counts=dict, count_instances=False)
+    place = next(t for t in compiled(OrderWorkflow).transitions if t.event == "place")
+    now[0] += 0.3
+    compiled(OrderWorkflow).run(Order(items=["pen"])).send("place")
+    seen = []
+    for _ in range(58):  # one poll a second, as the page does
+        now[0] += 1.0
+        seen.append(inspector.rates.per_minute()["OrderWorkflow"][place.id])
+    assert seen == [1.0] * 58
+    now[0] += 4.0  # the transition is older than the window (and its samples) now
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == 0.0
+    inspector.close()
 
 
 def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():

@@ -38,8 +38,8 @@ def test_rates_are_transitions_per_minute_over_the_window():
     admit = next(t for t in JOB.transitions if t.event == "admit")
     for _ in range(3):
         JOB.run(Guards()).send("admit")
-    now[0] = 130.0  # 3 admits in 30 s: 6 per minute
-    assert rates.per_minute()["job"][admit.id] == pytest.approx(6.0)
+    now[0] = 130.0  # 3 admits in the last minute (the 30 s since the first sample)
+    assert rates.per_minute()["job"][admit.id] == pytest.approx(3.0)
     now[0] = 250.0  # nothing new for two minutes: the window forgets them
     rates.per_minute()
     now[0] = 251.0
