@@ -694,3 +694,39 @@ def test_a_wait_on_the_clock_s_queue_or_semaphore_outside_the_threads_is_refused
     assert found.failure is not None and found.failure.message.startswith(
         "final check raised RuntimeError: the final check acquired a semaphore no thread has "
         "released yet: it runs once no thread can go on"), found.failure.message
+
+
+@pytest.mark.parametrize("value", ["5s", "0", "-1", "inf", "nan"])
+def test_a_watchdog_that_is_no_number_of_seconds_is_refused_naming_the_variable(
+        monkeypatch, value):
+    """``CALEXEC_EXPLORE_WATCHDOG_S`` was read at import: ``5s`` failed every import of the
+    explorer (``could not convert string to float: '5s'``, naming no variable), ``0`` or ``-1``
+    failed every schedule blaming its first thread ("did not reach a scheduling point within
+    0.0s real time ... an uncontrolled blocking call?"), ``inf`` raised ``OverflowError`` out
+    of the scheduler. It is read at each exploration and refused, named, before any schedule
+    runs; a good value is used (the watchdog's message names it)."""
+    monkeypatch.setattr(explore, "WATCHDOG_S", None)  # the environment's
+    monkeypatch.setenv("CALEXEC_EXPLORE_WATCHDOG_S", value)
+    ran: list[int] = []
+
+    def scenario(clock):
+        ran.append(1)
+        two_counters(clock)
+    for run in (lambda: explore_threads(scenario, seeds=range(3)),
+                lambda: replay_threads(scenario, [])):
+        with pytest.raises(ValueError, match=rf"^CALEXEC_EXPLORE_WATCHDOG_S='{value}': the "
+                                             r"explorer's real-time watchdog.*> 0"):
+            run()
+    assert ran == []
+    monkeypatch.setenv("CALEXEC_EXPLORE_WATCHDOG_S", " 0.25 ")
+    held = threading.Event()  # not the clock's: the thread blocks outside the scheduler
+
+    def stuck(clock):
+        clock.start_thread(lambda: held.wait(1.0), "stuck")
+    found = explore_threads(stuck, seeds=[0])
+    assert found.failure is not None and found.failure.message.startswith(
+        "watchdog: thread stuck did not reach a scheduling point within 0.25s"), (
+        found.failure.message)
+    monkeypatch.delenv("CALEXEC_EXPLORE_WATCHDOG_S")
+    assert explore.watchdog_s() == 60.0
+    assert explore_threads(scenario, seeds=range(2)).failure is None

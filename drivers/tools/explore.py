@@ -45,6 +45,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import os
 import queue
 import random
@@ -72,7 +73,36 @@ if TYPE_CHECKING:
     from calexec.machines.device_api import RuntimeApi
     from calexec.machines.executor import DeviceExecutor
 
-WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
+#: the environment variable giving the real-time watchdog's seconds without any scheduling
+#: point (default 60), read at each run: a finite number > 0
+WATCHDOG_ENV = "CALEXEC_EXPLORE_WATCHDOG_S"
+#: a test sets this instead of the environment (None: the environment's, or 60)
+WATCHDOG_S: float | None = None
+
+
+def watchdog_s() -> float:
+    """The watchdog's seconds: ``WATCHDOG_S`` when set, else ``$CALEXEC_EXPLORE_WATCHDOG_S``
+    (unset or empty: 60). A value that is no finite number of seconds > 0 is a ``ValueError``
+    naming the variable and its value, before a schedule runs: read at import, ``5s`` failed
+    every import of the explorer with ``could not convert string to float: '5s'``, ``0`` or
+    ``-1`` failed every schedule blaming its first thread ("did not reach a scheduling point
+    within 0.0s real time ... an uncontrolled blocking call?") and ``inf`` raised an
+    ``OverflowError`` from the scheduler."""
+    if WATCHDOG_S is not None:
+        return WATCHDOG_S
+    text = os.environ.get(WATCHDOG_ENV, "").strip()
+    if not text:
+        return 60.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0) or value > threading.TIMEOUT_MAX:
+        raise ValueError(f"{WATCHDOG_ENV}={text!r}: the explorer's real-time watchdog, the "
+                         f"seconds a schedule may go without any scheduling point before it "
+                         f"fails: give a finite number of seconds > 0 (e.g. 120), or unset it "
+                         f"for 60")
+    return value
 #: the environment variable naming the directory a failure's replay file is written in (made
 #: when missing); unset or empty: the temporary directory ($TMPDIR, else /tmp)
 REPLAY_DIR_ENV = "CALEXEC_EXPLORE_REPLAY_DIR"
@@ -994,6 +1024,7 @@ class Scheduler:
         can happen), budget, horizon or failure."""
         if self.aborting:
             return "failure"
+        watchdog = watchdog_s()  # (refused before any thread runs)
         self.budget = self.steps + steps
         self.horizon = self.now + horizon_s
         nxt = self._decide(None)
@@ -1003,15 +1034,15 @@ class Scheduler:
             # the watchdog times each stretch without a scheduling point, not the whole run:
             # a long schedule (millions of steps) that keeps reaching points is no hang
             seen = self.steps
-            while not self.driver_sem.acquire(timeout=WATCHDOG_S):
+            while not self.driver_sem.acquire(timeout=watchdog):
                 if self.steps == seen:
-                    self.fail(self._watchdog_report())
+                    self.fail(self._watchdog_report(watchdog))
                     self.stop_reason = "failure"
                     break
                 seen = self.steps
         return self.stop_reason
 
-    def _watchdog_report(self) -> str:
+    def _watchdog_report(self, watchdog: float) -> str:
         running = self.running
         frames = sys._current_frames()
         stack = ""
@@ -1029,7 +1060,7 @@ class Scheduler:
                 kind = type(owner).__name__ + "." if owner is not None else ""
                 blocked = f" (blocked in {module}.{kind}{frame.f_code.co_name})"
         return (f"watchdog: thread {running and running.name} did not reach a scheduling point "
-                f"within {WATCHDOG_S}s real time{blocked} (an uncontrolled blocking call? "
+                f"within {watchdog}s real time{blocked} (an uncontrolled blocking call? "
                 f"threading's and queue's own objects are not scheduled: make them with the "
                 f"clock, clock.lock(), rlock(), condition(lock), event(), semaphore(n), "
                 f"bounded_semaphore(n), queue(maxsize))\n{stack}")

@@ -50,6 +50,7 @@ from calexec.drivers.tools.explore import (
     Scheduler,
     TapeChooser,
     VirtualClock,
+    watchdog_s,
 )
 from calexec.machines.chart_contracts import ContractMonitor, declared_contracts, enable_contracts
 from calexec.machines.clock import Clock
@@ -293,6 +294,7 @@ def _check_bounds(scenario: object, *, steps: int, horizon_s: float, invariant: 
     if not callable(scenario):
         raise TypeError(f"scenario={scenario!r}: a function of the clock that builds the code "
                         "under test (def scenario(clock): ...)")
+    watchdog_s()  # $CALEXEC_EXPLORE_WATCHDOG_S: refused, named, before any schedule runs
     for name, value in {"steps": steps, **counts}.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}={value!r}: an integer >= 1")
