@@ -432,3 +432,39 @@ def test_a_job_in_flight_behind_a_kept_one_is_completed_by_its_deadline_after_a_
     x = X.replay(CALBINS, script, [], lenient=True, reset_kind="reset", capacity=2,
                  kv_blocks=64, slack_s=0.1)
     assert x.ex.snapshot()["inflight_capacity"] == 1  # the scenario did downgrade
+
+
+@pytest.mark.parametrize("content, says", [
+    ("not json\n", "no JSON (Expecting value: line 1 column 1 (char 0))"),
+    (b"\xff\xfe", "no JSON ("),
+    ("[1, 2]\n", "a JSON list, where the explorer writes an object with options, script and "
+                 "choices"),
+    ('{"seed": 3}', "no 'options'"),
+    ('{"options": {}, "script": {}, "choices": []}', "script={} is no JSON array"),
+    ('{"options": {}, "script": [], "choices": [1, -2]}',
+     "choices holds -2, where each is an integer >= 0"),
+])
+def test_replay_file_refuses_a_file_that_is_no_replay_naming_it(tmp_path, monkeypatch,
+                                                               content, says):
+    """``replay_file`` on a file that is no replay (a typo'd path to another JSON, a truncated
+    copy) raised ``JSONDecodeError: Expecting value``, ``KeyError: 'options'`` or ``TypeError:
+    list indices must be integers``, naming neither the file nor what to give; it is a
+    ``ValueError`` naming the file, what is wrong and which path to give, before any calbin is
+    written or explorer started."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    path = tmp_path / "trace.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(ValueError) as refused:
+        X.replay_file(str(path))
+    message = str(refused.value)
+    assert message.startswith(f"replay_file({str(path)!r}): not a replay file the explorer "
+                              "wrote (give the path a failure's '--- replay: "), message
+    assert says in message, message
+    assert list(scratch.iterdir()) == []  # nothing written: no calbins directory

@@ -2212,12 +2212,40 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
             "preemptions": sum(1 for c in choices if c)}
 
 
+def _read_replay(path: str) -> dict:
+    """The replay JSON at ``path``: ``options`` (an object), ``script`` and ``choices`` (lists,
+    the choices integers >= 0). Else a ``ValueError`` naming the file and what is wrong, before
+    anything is written or started: another file (a typo, a trace, a truncated copy) raised
+    ``JSONDecodeError: Expecting value: line 1 column 1``, ``KeyError: 'options'`` or
+    ``TypeError: list indices must be integers``, naming neither the file nor what to give."""
+    what = (f"replay_file({path!r}): not a replay file the explorer wrote (give the path a "
+            f"failure's '--- replay: calexec.drivers.tools.explore.replay_file(...)' line names)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        info = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:  # (JSONDecodeError is a ValueError)
+        raise ValueError(f"{what}: no JSON ({err})") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{what}: a JSON {type(info).__name__}, where the explorer writes an "
+                         f"object with options, script and choices")
+    for key, kind in (("options", dict), ("script", list), ("choices", list)):
+        if key not in info:
+            raise ValueError(f"{what}: no {key!r}")
+        if not isinstance(info[key], kind):
+            raise ValueError(f"{what}: {key}={info[key]!r:.60} is no JSON "
+                             f"{'object' if kind is dict else 'array'}")
+    bad = [c for c in info["choices"] if isinstance(c, bool) or not isinstance(c, int) or c < 0]
+    if bad:
+        raise ValueError(f"{what}: choices holds {bad[0]!r:.60}, where each is an integer >= 0")
+    return info
+
+
 def replay_file(path: str, calbins: dict[str, str] | None = None) -> Explorer:
     """Replay the JSON a failure report names (calbins: None writes them to a temporary
     directory, removed when the replay ends, failing or not: each replay left one behind)."""
-    with open(path) as f:
-        info = json.load(f)
-    options = {k: v for k, v in info["options"].items()}
+    info = _read_replay(path)
+    options = dict(info["options"])
     if calbins is not None:
         return replay(calbins, info["script"], info["choices"], **options)
     with tempfile.TemporaryDirectory(prefix="calexec-explore-") as tmp:
