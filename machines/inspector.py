@@ -594,8 +594,12 @@ async function tick() {
     const r = await fetch(LIVE, {cache: "no-store"});
     const d = await r.json();
     for (const [chart, info] of Object.entries(d.charts)) paint(chart, info);
+    // a status line's field is found by its key, never as an element id: a key "status" or
+    // "updated" (the page's own ids) emptied the whole status line and stopped the updates
+    const fields = new Map();
+    document.querySelectorAll("b[data-status]").forEach((b) => fields.set(b.dataset.status, b));
     for (const [key, value] of Object.entries(d.status)) {
-      const el = document.getElementById(key);
+      const el = fields.get(key);
       if (el) el.textContent = Array.isArray(value) ? (value.length ? value.join(", ") : "none")
                                                     : String(value);
     }
@@ -625,7 +629,7 @@ def page(svgs: Mapping[str, str], live: Mapping[str, Json], live_url: str,
     status = live.get("status")
     fields = status if isinstance(status, dict) else {}
     names = labels or {key: key for key in fields}
-    spans = "".join(f"<span>{html.escape(label)}: <b id='{html.escape(key)}'>"
+    spans = "".join(f"<span>{html.escape(label)}: <b data-status='{html.escape(key)}'>"
                     f"{html.escape(_text(fields.get(key, '?')))}</b></span>"
                     for key, label in names.items())
     sections = "".join(

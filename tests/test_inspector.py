@@ -530,3 +530,45 @@ def test_a_parameter_given_empty_is_taken_as_not_given_on_every_route():
             assert answer.status_code == 400, (url, answer.text)
             assert answer.json() == {"error": error}, url
     inspector.close()
+
+
+@pytest.mark.requires_tool("chromium", "dot")
+def test_a_status_key_named_like_the_pages_own_elements_shows_in_the_browser(monkeypatch,
+                                                                           tmp_path):
+    """``Inspector(status=...)``'s keys were the ids of the status line's fields: a key
+    ``status`` (the status paragraph's own id) had the page's script write its value over
+    the whole status line (every other field and the ``updated`` clock gone), then fail at
+    each poll (``updated`` no longer there), so the page stopped counting its updates; a key
+    ``updated`` took the clock's place. A field is now found by its key (``data-status``):
+    every value shows, refreshed, and the page updates itself."""
+    import re
+
+    from calexec.drivers.tools.live_screenshots import chromium_capture
+    from test_server_support import LiveServer
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    polls = [0]
+
+    def status():
+        polls[0] += 1
+        return {"status": "open", "updated": "by the shop", "orders": polls[0]}
+    inspector = Inspector(status=status)
+    orders = [OrderWorkflow(Order())]
+    inspector.register(OrderWorkflow, runs=lambda: orders)
+    try:
+        with LiveServer(inspector_app(inspector)) as server:
+            done = chromium_capture(f"{server.url}/", str(tmp_path))
+    finally:
+        inspector.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    fields = dict(re.findall(r'<b data-status="([^"]+)">([^<]*)</b>', dom))
+    assert fields.keys() == {"status", "updated", "orders"}, dom[:3000]
+    assert fields["status"] == "open" and fields["updated"] == "by the shop"
+    assert int(fields["orders"]) >= 2  # refreshed by the page's polls, past the first
+    updates = re.search(r'<body[^>]*data-updates="(\d+)"', dom)
+    assert updates and int(updates.group(1)) >= 2, "the page did not refresh itself"
+    clock = re.search(r'<b id="updated">([^<]*)</b>', dom)
+    assert clock and clock.group(1) not in ("never", "by the shop"), clock

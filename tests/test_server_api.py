@@ -431,7 +431,7 @@ def test_statecharts_svg_highlights_the_lifecycle_state(served):
     assert SVG_ACTIVE.findall(r.text) == ["Ready"]
     page = client.get("/debug/statecharts")
     assert page.status_code == 200 and page.text.count("<svg") == 4
-    assert "<b id='lifecycle'>Ready</b>" in page.text
+    assert "<b data-status='lifecycle'>Ready</b>" in page.text
     assert "/debug/statecharts/live.json" in page.text  # the page refreshes itself
     assert client.get("/debug/statecharts/nope.svg").status_code == 404
 
