@@ -592,6 +592,9 @@ function paint(chart, info) {
 async function tick() {
   try {
     const r = await fetch(LIVE, {cache: "no-store"});
+    // an error answer (a server draining, a proxy's 502) named by its status and body, not
+    // read as data: "TypeError: Cannot convert undefined or null to object" said nothing
+    if (!r.ok) throw new Error(`${LIVE} answered HTTP ${r.status}: ${(await r.text()).slice(0, 200)}`);
     const d = await r.json();
     for (const [chart, info] of Object.entries(d.charts)) paint(chart, info);
     // a status line's field is found by its key, never as an element id: a key "status" or

@@ -572,3 +572,48 @@ def test_a_status_key_named_like_the_pages_own_elements_shows_in_the_browser(mon
     assert updates and int(updates.group(1)) >= 2, "the page did not refresh itself"
     clock = re.search(r'<b id="updated">([^<]*)</b>', dom)
     assert clock and clock.group(1) not in ("never", "by the shop"), clock
+
+
+@pytest.mark.requires_tool("chromium", "dot")
+def test_the_page_names_an_error_answer_of_live_json(monkeypatch, tmp_path):
+    """Once ``live.json`` answered an error (the app draining: a 503 with a JSON body), the
+    page's line read ``update failed: TypeError: Cannot convert undefined or null to object``
+    (the error body read as data), naming neither the answer nor its status; it now names
+    the URL, the status and the body, and keeps the last counts it drew."""
+    import re
+
+    from starlette.responses import JSONResponse
+
+    from calexec.drivers.tools.live_screenshots import chromium_capture
+    from test_server_support import LiveServer
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    inspector = Inspector()
+    orders = [OrderWorkflow(Order())]
+    inspector.register(OrderWorkflow, runs=lambda: orders)
+    answered = [0]
+    inner = inspector_app(inspector)
+
+    async def draining(scope, receive, send):
+        if scope["type"] == "http" and scope["path"].endswith("/live.json"):
+            answered[0] += 1
+            if answered[0] > 1:  # the first poll answers; then the app drains
+                reply = JSONResponse({"error": {"message": "draining"}}, status_code=503)
+                await reply(scope, receive, send)
+                return
+        await inner(scope, receive, send)
+    try:
+        with LiveServer(draining) as server:
+            done = chromium_capture(f"{server.url}/", str(tmp_path))
+    finally:
+        inspector.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert answered[0] >= 2
+    clock = re.search(r'<b id="updated">([^<]*)</b>', dom)
+    assert clock and clock.group(1).startswith(
+        'update failed: Error: /live.json answered HTTP 503: {"error":{"message":"draining"}}'), \
+        clock
+    assert re.search(r'<g id="s_cart" class="node"[^>]*data-count="1"', dom), "counts kept"
