@@ -617,6 +617,14 @@ setInterval(tick, %(refresh)d);
 """
 
 
+def _seconds(window: Json) -> str:
+    """The rate window as the legend writes it: ``60 s``, ``0.5 s``, ``90.6 s`` (``:.0f`` wrote
+    a window of 0.5 s as ``0 s`` and one of 90.6 s as ``91 s``)."""
+    if not isinstance(window, (int, float)) or isinstance(window, bool):
+        return f"{window} s"
+    return f"{window:.10g} s"
+
+
 def _text(value: Json) -> str:
     if isinstance(value, list):
         return ", ".join(map(str, value)) if value else "none"
@@ -650,7 +658,7 @@ def page(svgs: Mapping[str, str], live: Mapping[str, Json], live_url: str,
         "</td><td>state holding at least one live run</td></tr>"
         "<tr><td class='live-count' style='color:#b00000;font-weight:bold'>n</td><td>"
         f"{html.escape(counted)}</td></tr><tr><td style='color:#0050b0;font-weight:bold'>r/min"
-        f"</td><td>transitions drawn by the edge, per minute over the last {window:.0f} s (every "
+        f"</td><td>transitions drawn by the edge, per minute over the last {_seconds(window)} (every "
         "run in the process)</td></tr><tr><td></td><td>each chart's own legend (below it) "
         "explains borders, guards and boxes</td></tr></table>"
         f"{sections}<script>{script}</script></body></html>")

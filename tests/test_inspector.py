@@ -617,3 +617,22 @@ def test_the_page_names_an_error_answer_of_live_json(monkeypatch, tmp_path):
         'update failed: Error: /live.json answered HTTP 503: {"error":{"message":"draining"}}'), \
         clock
     assert re.search(r'<g id="s_cart" class="node"[^>]*data-count="1"', dom), "counts kept"
+
+
+@pytest.mark.requires_tool("dot")
+@pytest.mark.parametrize("window, says", [(60.0, "60 s"), (0.5, "0.5 s"), (90.6, "90.6 s"),
+                                          (3600, "3600 s")])
+def test_the_legend_names_the_rate_window_as_given(monkeypatch, window, says):
+    """The page's legend wrote the rate window with ``:.0f``: ``Inspector(window_s=0.5)`` read
+    "per minute over the last 0 s", 90.6 s read 91 s."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import OrderWorkflow
+
+    inspector = Inspector(window_s=window)
+    inspector.register(OrderWorkflow, counts=dict, count_instances=False)
+    try:
+        page = TestClient(inspector_app(inspector)).get("/")
+    finally:
+        inspector.close()
+    assert page.status_code == 200, page.text
+    assert f"per minute over the last {says} (every run" in page.text
