@@ -22,7 +22,12 @@ from calexec.contracts.errors import Category
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.error_bodies import error_response, invalid, transfer_coding_refused
+from calexec.drivers.serving.error_bodies import (
+    TOO_DEEP_ADVICE,
+    error_response,
+    invalid,
+    transfer_coding_refused,
+)
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 from calexec.machines import switch_check
 
@@ -128,13 +133,14 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     except UnicodeDecodeError as err:
         return invalid(f"body: not UTF-8 ({err.reason} at byte {err.start}); send "
                        "{\"calbin\": PATH} as UTF-8 JSON"), None
+    too_deep = invalid("body: nested deeper than the server's JSON parser reads (Python's "
+                       "recursion limit; RFC 8259 section 9 lets a parser bound the nesting): "
+                       f"{TOO_DEEP_ADVICE}: {{\"calbin\": PATH}}")
     repeated: list[str] = []  # keys given twice in one object (JSON's last one would win)
     try:
         body = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, repeated))
-    except RecursionError:  # valid JSON, nested past the parser's depth: not "not valid"
-        return invalid("body: nested deeper than the server's JSON parser reads (RFC 8259 "
-                       "section 9 lets a parser bound the nesting): the JSON is valid, send "
-                       "{\"calbin\": PATH}"), None
+    except RecursionError:  # nested past the parser's depth: valid or not, it read no further
+        return too_deep, None
     except ValueError as err:
         overlong = wire.overlong_number(utf8)  # (Python's words, cut: "use sys.set_int_...")
         if overlong is not None:
@@ -149,8 +155,8 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
             return invalid(surrogate[0]), surrogate[1]
         return invalid("body: not valid JSON (a lone surrogate escape: not a Unicode "
                        "character); send {\"calbin\": PATH}"), None
-    except RecursionError:  # (as deep as the parser took, past the encoder's limit)
-        return invalid("body: not valid JSON (nested too deeply); send {\"calbin\": PATH}"), None
+    except RecursionError:  # (valid JSON as deep as the parser took, past the encoder's)
+        return too_deep, None
     if repeated:
         name = repeated[0][:80]
         return invalid(f"{name}: given more than once in the body (the last one would "

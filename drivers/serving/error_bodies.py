@@ -145,6 +145,11 @@ def route_error(method: str, path: str, http_status: int,
     return error_response(status, None, http_status=http_status, headers=headers)
 
 
+#: what a refusal of a body nested past the parser's depth says the server did and what to do
+TOO_DEEP_ADVICE = ("the server reads no deeper and checked nothing past that point; send "
+                   "the body less deeply nested")
+
+
 def invalid(message: str) -> Status:
     """A 400 INVALID_REQUEST failure naming what was wrong."""
     return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)

@@ -350,8 +350,8 @@ def parse(model: type[Body], raw: bytes) -> Body:
         if overlong is not None:  # (the parser's words blamed a syntax error, no field)
             raise Refusal(invalid(overlong[0]), overlong[1]) from None
         if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
-            # valid JSON nested past the parser's depth; its words, "Invalid JSON", blamed
-            # the client for a syntax error it did not make
+            # JSON nested past the parser's depth (valid or not: it read no further); its
+            # words, "Invalid JSON", blamed a valid body for a syntax error
             raise Refusal(invalid(_too_deep(first["msg"])), None) from None
         path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
         # (an unknown key is the client's, of any length: cut as every echoed value is)
@@ -628,11 +628,14 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
 
 def _too_deep(said: str) -> str:
     """The message refusing a body nested past the JSON parser's depth (pydantic's ``said``:
-    "Invalid JSON: recursion limit exceeded at line 1 column 206"), naming where."""
+    "Invalid JSON: recursion limit exceeded at line 1 column 206"), naming where. The parser
+    stops there, so nothing says whether the rest is valid JSON (``[`` * 100000, never
+    closed, is not): the message claims neither."""
     where = said.partition(" exceeded")[2].strip()
     return (f"body: nested deeper than the server's JSON parser reads{' ' + where if where else ''}"
             " (about 200 levels of arrays and objects; RFC 8259 section 9 lets a parser "
-            "bound the nesting): the JSON is valid, send it less deeply nested")
+            f"bound the nesting): {error_bodies.TOO_DEEP_ADVICE}")
+
 
 
 def _as_written(err: SamplingError, body: _Body) -> str:
