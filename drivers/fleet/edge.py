@@ -210,18 +210,30 @@ def route_path(scope: Message) -> str:
     return path[len(root):] if root and path.startswith(root) else path
 
 
+def route_raw_path(scope: Message) -> bytes:
+    """The request path as the client sent it (``raw_path``, its escapes undecoded: an encoded
+    slash is no separator, ``wire.routed_path``) below the app's mount point; the decoded
+    path encoded when the server gave no ``raw_path``."""
+    raw = scope.get("raw_path")
+    if not isinstance(raw, bytes):
+        return route_path(scope).encode()
+    root = scope.get("root_path", "").encode()
+    return raw[len(root):] if root and raw.startswith(root) else raw
+
+
 def header(scope: Message, name: bytes) -> bytes | None:
     return next((v for k, v in scope.get("headers", []) if k.lower() == name), None)
 
 
 def relay_request(scope: Message, body: bytes, replica: str) -> Message:
-    """What crosses to the sibling: method, path, query, headers (plus ``x-calexec-relayed-from``;
-    the body is whole now, so its length replaces any chunked framing) and the body; plain bytes
-    and strings, so it pickles."""
+    """What crosses to the sibling: method, path (decoded and as sent), query, headers (plus
+    ``x-calexec-relayed-from``; the body is whole now, so its length replaces any chunked
+    framing) and the body; plain bytes and strings, so it pickles."""
     headers = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])
                if k.lower() not in (RELAYED_FROM, b"content-length", b"transfer-encoding")]
     headers += [(RELAYED_FROM, replica.encode()), (b"content-length", str(len(body)).encode())]
     request = {"method": scope["method"], "path": route_path(scope),
+               "raw_path": route_raw_path(scope),
                "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
                "body": body, "http_version": scope.get("http_version", "1.1")}
     # a fleet request's out-of-band state goes along (drivers/serving/handoff.py)
@@ -247,7 +259,9 @@ async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0,
     set."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": request["http_version"], "method": request["method"],
-             "scheme": "http", "path": request["path"], "raw_path": request["path"].encode(),
+             "scheme": "http", "path": request["path"],
+             # (as sent: the sibling routes an encoded slash as the first server would)
+             "raw_path": request.get("raw_path") or request["path"].encode(),
              "root_path": "", "query_string": request["query_string"],
              "headers": request["headers"], "client": None, "server": None}
     messages: asyncio.Queue[Message | None] = asyncio.Queue()

@@ -127,6 +127,17 @@ def not_served(path: str) -> str | None:
     return None
 
 
+def encoded_separator(path: str) -> str | None:
+    """Why ``path`` (no route here) holding an encoded slash or dot segment, kept as sent
+    (``wire.routed_path``), routes nowhere; None for any other path."""
+    lowered = path.lower()
+    if "%2f" in lowered or any(segment.replace("%2e", ".") in (".", "..")
+                               for segment in lowered.split("/") if "%2e" in segment):
+        return ("an encoded slash (%2F) or dot segment (%2E) separates no path segments "
+                "here (only in a model id: /v1/models/{model})")
+    return None
+
+
 def route_error(method: str, path: str, http_status: int,
                 headers: dict[str, str] | None = None) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
@@ -138,7 +149,7 @@ def route_error(method: str, path: str, http_status: int,
                                 Phase.VALIDATE, f"{method} {path}: method not allowed "
                                 f"(allowed: {allowed})")
     else:
-        why = not_served(path)
+        why = not_served(path) or encoded_separator(path)
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                                 f"{method} {path}: no such route"
                                 + (f": {why}" if why else "") + " (docs/server.md lists them)")

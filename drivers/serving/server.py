@@ -124,6 +124,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     app.add_middleware(RequestTally, metrics=service.metrics)
     # outside CORS: its preflight answers carry the id too
     app.add_middleware(wire.RequestIds)
+    # outermost: every other middleware (the tally's route, CORS) sees the path routed on
+    app.add_middleware(RawPaths)
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
@@ -287,6 +289,22 @@ class AsteriskForm:
                 "section 3.2.4); send a path, as docs/server.md lists them")
             response = error_response(status, None, http_status=400)
         await response(scope, receive, send)
+
+
+class RawPaths:
+    """ASGI middleware routing a request on the path as the client sent it where uvicorn's
+    decoding lost it (``wire.routed_path``): an encoded slash outside a model id is no
+    separator, a byte no UTF-8 character holds stays its escape."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            routed = wire.routed_path(scope.get("raw_path") or b"")
+            if routed is not None:
+                scope = {**scope, "path": routed}
+        await self.app(scope, receive, send)
 
 
 class OpenAICORS(CORSMiddleware):

@@ -10,6 +10,7 @@ import json
 import math
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -134,6 +135,60 @@ class RequestIds:
                 message = {**message, "headers": headers}
             await send(message)
         await self.app(scope, receive, send_with_id)
+
+
+#: the raw path's prefixes (``scope["raw_path"]``) under which an encoded slash (``%2F``) and
+#: an encoded dot segment belong to the path parameter that takes them: a model id
+#: (``/v1/models/{model_id:path}``: ``Qwen%2FQwen3-8B``, as vLLM and HF name models)
+SLASH_PARAMETERS = ("/v1/models/",)
+_ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
+def _escapes_decoded(text: str) -> str:
+    """``text`` with its percent-escapes decoded as UTF-8, but a byte no UTF-8 character
+    holds kept as the client wrote it (``%ff``, its case too): uvicorn's ``unquote`` made
+    each such byte U+FFFD, so a message naming the path showed ``"\ufffd"``, never sent."""
+    def run(match: re.Match[str]) -> str:
+        written = match.group(0)
+        decoded = bytes.fromhex(written.replace("%", "")).decode("utf-8", "surrogateescape")
+        out, at = [], 0  # (at: the index of the next escape in ``written``, 3 chars each)
+        for char in decoded:
+            if "\udc80" <= char <= "\udcff":
+                out.append(written[at:at + 3])
+                at += 3
+            else:
+                out.append(char)
+                at += 3 * len(char.encode("utf-8"))
+        return "".join(out)
+    return _ESCAPES.sub(run, text)
+
+
+def routed_path(raw_path: bytes) -> str | None:
+    """The path the server routes a request of ``raw_path`` on, where it differs from the one
+    the HTTP server decoded (``scope["path"]``), else None. Outside a path parameter that
+    takes one (:data:`SLASH_PARAMETERS`), a path segment whose escapes decode to a slash or a
+    dot segment (``/admin%2Freload``, ``/v1%2Fmodels``, ``%2e%2e``) is kept as the client
+    sent it: uvicorn decoded ``%2F`` into a separator, so ``/admin%2Freload`` reached
+    ``/admin/reload`` past a proxy that filters the raw path (Apache's ``AllowEncodedSlashes
+    NoDecode`` keeps it so too); it now routes nowhere (the 404 naming the path as sent).
+    A byte no UTF-8 character holds is kept as written (:func:`_escapes_decoded`)."""
+    try:
+        raw = raw_path.decode("ascii")
+    except UnicodeDecodeError:  # (no escapes to decode: uvicorn refuses such a target)
+        return None
+    if "%" not in raw:
+        return None
+    taker = next((prefix for prefix in SLASH_PARAMETERS if raw.startswith(prefix)), None)
+    if taker is not None:
+        routed = taker + _escapes_decoded(raw[len(taker):])
+    else:
+        segments = []
+        for segment in raw.split("/"):
+            decoded = _escapes_decoded(segment)
+            separates = "/" in decoded or (decoded in (".", "..") and decoded != segment)
+            segments.append(segment if separates else decoded)
+        routed = "/".join(segments)
+    return None if routed == urllib.parse.unquote(raw) else routed
 
 
 class ClientGone(Exception):
