@@ -116,6 +116,23 @@ def test_a_body_nested_past_the_parsers_depth_is_not_called_valid(server, route,
     assert "checked nothing past that point" in message, message
 
 
+def test_two_origin_fields_are_refused_naming_both(server):
+    """With ``--cors-origin``, two ``Origin`` fields (which no browser sends: RFC 6454 section
+    7) had the first judged alone: ``Origin: https://app.example`` then ``Origin: https://
+    evil.example`` was answered with ``access-control-allow-origin: https://app.example``,
+    where a proxy in front may have judged the second. Now a 400 naming both."""
+    target = "/v1/models"
+    status, fields, answer = ask(server, "GET", target, headers=(
+        f"origin: {ORIGIN}", "origin: https://evil.example"))
+    assert status == 400, answer
+    assert "access-control-allow-origin" not in fields, fields
+    assert answer["error"]["param"] == "origin", answer
+    assert answer["error"]["message"].startswith(
+        f'origin: given 2 times ("{ORIGIN}", "https://evil.example")'), answer
+    status, fields, _ = ask(server, "GET", target, headers=(f"origin: {ORIGIN}",))
+    assert (status, fields.get("access-control-allow-origin")) == (200, ORIGIN), fields
+
+
 @pytest.mark.parametrize("raw, routed", [
     (b"/v1/models", None),
     (b"/v1/models/a%2Fb", None),

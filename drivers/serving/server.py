@@ -311,6 +311,21 @@ class OpenAICORS(CORSMiddleware):
     """Starlette's CORS middleware whose refused preflight (an origin, method or header not
     allowed) is an OpenAI-shaped 400 like every other error, not its plain text."""
 
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """A request with more than one ``Origin`` field is a 400 naming them: RFC 6454
+        section 7 lets a user agent send one (a browser never sends two), and Starlette
+        judged the first alone, where a proxy in front may read the last."""
+        origins = [value for key, value in scope.get("headers", ()) if key.lower() == b"origin"] \
+            if scope["type"] == "http" else []
+        if len(origins) > 1:
+            said = ", ".join(shown(value.decode("latin-1"), 100) for value in origins[:4])
+            refusal = error_response(invalid(
+                f"origin: given {len(origins)} times ({said}); a request has one Origin "
+                "(RFC 6454 section 7), send it once"), "origin")
+            await refusal(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
     def preflight_response(self, request_headers: Headers) -> Response:
         answer = super().preflight_response(request_headers)
         if answer.status_code == 200:
