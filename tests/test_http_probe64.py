@@ -171,3 +171,27 @@ def test_behind_the_fleet_ingress_an_encoded_slash_routes_nowhere_too(tmp_path):
             assert (status, answer.get("id")) == (200, MODEL), answer
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("target, named", [
+    ("/admin/drain?grace=%ff", 'grace="%ff": must be a finite number'),
+    ("/admin/drain?grace=%C3%A9%FE", 'grace="\u00e9%FE": must be a finite number'),
+    ("/admin/drain?gr%e9ce=1", "gr%e9ce: unknown parameter"),
+], ids=["value", "value-mixed", "key"])
+def test_query_escapes_of_no_utf8_character_are_named_as_sent(server, target, named):
+    """``POST /admin/drain?grace=%ff`` was refused ``grace="\\ufffd": must be a finite number``
+    (Starlette's query parser reads such a byte as U+FFFD): the query's escapes are now named
+    as written, as the path's are. Nothing drains: each is refused."""
+    status, _, answer = ask(server, "POST", target)
+    assert status == 400, answer
+    message = answer["error"]["message"]
+    assert named in message and "\ufffd" not in message, message
+
+
+@pytest.mark.parametrize("query, readable", [
+    (b"", None), (b"a=1&b=%20", None), (b"grace=%ff", b"grace=%25ff"),
+    (b"k=%e2%82%ac%e2%82&x=%2F", b"k=%e2%82%ac%25e2%2582&x=%2F"),
+])
+def test_readable_query(query, readable):
+    """``wire.readable_query``: None where the query's parser reads every escape as sent."""
+    assert wire.readable_query(query) == readable

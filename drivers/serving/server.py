@@ -294,7 +294,8 @@ class AsteriskForm:
 class RawPaths:
     """ASGI middleware routing a request on the path as the client sent it where uvicorn's
     decoding lost it (``wire.routed_path``): an encoded slash outside a model id is no
-    separator, a byte no UTF-8 character holds stays its escape."""
+    separator, a byte no UTF-8 character holds stays its escape, in the query too
+    (``wire.readable_query``)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -304,6 +305,9 @@ class RawPaths:
             routed = wire.routed_path(scope.get("raw_path") or b"")
             if routed is not None:
                 scope = {**scope, "path": routed}
+            query = wire.readable_query(scope.get("query_string") or b"")
+            if query is not None:
+                scope = {**scope, "query_string": query}
         await self.app(scope, receive, send)
 
 

@@ -144,23 +144,42 @@ SLASH_PARAMETERS = ("/v1/models/",)
 _ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
 
 
+def _escaped(written: str) -> Iterator[tuple[str | None, str]]:
+    """The characters a run of percent-escapes (``written``: ``%e2%82%ac%ff``) holds as UTF-8,
+    each with the escapes that wrote it; None for a byte no UTF-8 character holds."""
+    decoded = bytes.fromhex(written.replace("%", "")).decode("utf-8", "surrogateescape")
+    at = 0  # the index of the next escape in ``written``, 3 characters each
+    for char in decoded:
+        stray = "\udc80" <= char <= "\udcff"  # (surrogateescape's mark of such a byte)
+        size = 1 if stray else len(char.encode("utf-8"))
+        yield None if stray else char, written[at:at + 3 * size]
+        at += 3 * size
+
+
 def _escapes_decoded(text: str) -> str:
     """``text`` with its percent-escapes decoded as UTF-8, but a byte no UTF-8 character
     holds kept as the client wrote it (``%ff``, its case too): uvicorn's ``unquote`` made
     each such byte U+FFFD, so a message naming the path showed ``"\ufffd"``, never sent."""
-    def run(match: re.Match[str]) -> str:
-        written = match.group(0)
-        decoded = bytes.fromhex(written.replace("%", "")).decode("utf-8", "surrogateescape")
-        out, at = [], 0  # (at: the index of the next escape in ``written``, 3 chars each)
-        for char in decoded:
-            if "\udc80" <= char <= "\udcff":
-                out.append(written[at:at + 3])
-                at += 3
-            else:
-                out.append(char)
-                at += 3 * len(char.encode("utf-8"))
-        return "".join(out)
-    return _ESCAPES.sub(run, text)
+    return _ESCAPES.sub(lambda match: "".join(
+        escapes if char is None else char for char, escapes in _escaped(match.group(0))),
+        text)
+
+
+def readable_query(query: bytes) -> bytes | None:
+    """``query`` (``scope["query_string"]``) with the escape of each byte no UTF-8 character
+    holds escaped once more (``%ff`` is ``%25ff``), so the query's parser reads the escape as
+    the client wrote it where Starlette's read U+FFFD (``?grace=%ff`` was refused
+    ``grace="\ufffd"``); None when no escape is such a byte."""
+    try:
+        text = query.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    if "%" not in text:
+        return None
+    readable = _ESCAPES.sub(lambda match: "".join(
+        escapes if char is not None else "%25" + escapes[1:]
+        for char, escapes in _escaped(match.group(0))), text)
+    return None if readable == text else readable.encode("ascii")
 
 
 def routed_path(raw_path: bytes) -> str | None:
