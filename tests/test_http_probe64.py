@@ -67,7 +67,8 @@ def test_a_model_id_with_an_encoded_slash_is_still_served(server):
     """The one path parameter taking a slash, the model id: ``/v1/models/org%2Fmodel-8B`` (the
     SDK's ``models.retrieve("org/model-8B")``) and the slash as written both answer the card."""
     for target in ("/v1/models/org%2Fmodel-8B", "/v1/models/org%2fmodel-8B",
-                   "/v1/models/org/model-8B", "/v1/models/org%2Fmodel%2D8B"):
+                   "/v1/models/org/model-8B", "/v1/models/org%2Fmodel%2D8B",
+                   "/v1/model%73/org%2Fmodel-8B"):
         status, _, answer = ask(server, "GET", target)
         assert (status, answer.get("id")) == (200, MODEL), (target, answer)
     status, _, answer = ask(server, "GET", "/v1/models/org%2F..%2Fother")
@@ -142,6 +143,9 @@ def test_two_origin_fields_are_refused_naming_both(server):
     (b"/x/%2e%2Ex/y", None),
     (b"/x/%FF%41", "/x/%FFA"),
     (b"/v1/models/%e2%82%ac%e2%82", "/v1/models/\u20ac%e2%82"),
+    (b"/v1/model%73/org%2Fmodel", None),
+    (b"/v1/models/org/m%FF/x%2F", "/v1/models/org/m%FF/x/"),
+    (b"/v1/models%2Forg", "/v1/models%2Forg"),
 ])
 def test_routed_path(raw, routed):
     """``wire.routed_path``: None where uvicorn's decoded path is the one routed on."""

@@ -197,16 +197,16 @@ def routed_path(raw_path: bytes) -> str | None:
         return None
     if "%" not in raw:
         return None
-    taker = next((prefix for prefix in SLASH_PARAMETERS if raw.startswith(prefix)), None)
-    if taker is not None:
-        routed = taker + _escapes_decoded(raw[len(taker):])
-    else:
-        segments = []
-        for segment in raw.split("/"):
-            decoded = _escapes_decoded(segment)
-            separates = "/" in decoded or (decoded in (".", "..") and decoded != segment)
-            segments.append(segment if separates else decoded)
-        routed = "/".join(segments)
+    given = raw.split("/")
+    segments: list[str] = []
+    for at, segment in enumerate(given):
+        if "/".join(segments) + "/" in SLASH_PARAMETERS:  # (``/v1/model%73/`` too)
+            segments.append(_escapes_decoded("/".join(given[at:])))
+            break
+        decoded = _escapes_decoded(segment)
+        separates = "/" in decoded or (decoded in (".", "..") and decoded != segment)
+        segments.append(segment if separates else decoded)
+    routed = "/".join(segments)
     return None if routed == urllib.parse.unquote(raw) else routed
 
 
