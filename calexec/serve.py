@@ -110,9 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                         "'calexec[tokenizer]'); default: the byte-level tokenizer of the "
                         "synthetic model")
     p.add_argument("--api-key", metavar="KEY",  # None: $CALEXEC_API_KEY (main)
-                   help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
-                        "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
-                        "/health, /ready, /metrics stay open")
+                   help="OpenAI endpoints (/v1/*, /tokenize, /detokenize, /tokenizer_info) "
+                        "need 'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: "
+                        "open); /health, /ready, /ping, /version, /metrics and /debug/* stay "
+                        "open (/admin/* and /debug/jobs/{id} take --admin-token-file's token)")
     p.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
                    help="allow browser pages of this origin (scheme://host[:port], or '*') to "
                         "call the server: CORS preflights answered, responses marked; "

@@ -118,8 +118,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("calexec.executor")
 
 
-#: the lifecycle states a recovery or model switch passes through: a request arriving in one
-#: of them may wait for Ready (``wait_for_ready``)
 #: what a drained shutdown gives the executor's idle threads to end, at least (beyond its
 #: grace only when the drain ended at its very end): the device is closed after they did
 THREADS_EXIT_S = 1.0
@@ -153,6 +151,8 @@ if hasattr(os, "register_at_fork"):  # (POSIX)
     os.register_at_fork(after_in_child=_forked_child)
 
 
+#: the lifecycle states a recovery or model switch passes through: a request arriving in one
+#: of them may wait for Ready (``wait_for_ready``)
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
 

@@ -144,7 +144,13 @@ def sequence_ids_problem(executor: ServedExecutor, max_sequences: int) -> str | 
         return None
     return (f"={max_sequences}: the device's KvManager takes sequence ids 0..{max_seqs - 1} "
             f"(max_seqs={max_seqs}; 0 is the warm-up's), so at most {max_seqs - 1}; requests "
-            f"on ids {max_seqs}..{max_sequences} would be refused (kv.seq_id_out_of_range)")
+            f"on {_id_range(max_seqs, max_sequences)} would be refused "
+            "(kv.seq_id_out_of_range)")
+
+
+def _id_range(first: int, last: int) -> str:
+    """``id 64`` or ``ids 64..70``."""
+    return f"id {first}" if first == last else f"ids {first}..{last}"
 
 
 def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
