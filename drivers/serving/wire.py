@@ -530,7 +530,12 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
     that reads a body (the API's and the admin's): the client gone mid-upload is a 499
     (a cancelled request, which nobody reads), a body not whole within ``timeout`` a 408
     and one over ``limit`` bytes a 413, both closing the connection; a read ``reads`` cut
-    (a drain's grace over) the draining 503, closing it too."""
+    (a drain's grace over) the draining 503, closing it too: "server is draining", as
+    admission refuses one whose body was read, for a read that began after the cut (its
+    request came after the drain ended: it was told its body had not arrived in the grace,
+    or admission's 503, depending on whether its bytes were already in the server's buffer
+    when the route asked)."""
+    after_cut = reads is not None and reads.cut_done
     raw: bytes | None = None
     with contextlib.nullcontext() if reads is None else reads.reading() as scope:
         try:
@@ -541,8 +546,8 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
             return BodyRefusal(body_timeout(str(late), timeout), 408, CLOSE)
     if scope is not None and scope.cancelled_caught and reads is not None:
         return BodyRefusal(Status.unavailable(
-            Phase.ADMISSION, f"server drained: {reads.why} before the request's body "
-            "arrived whole; retry"), 503, CLOSE)
+            Phase.ADMISSION, "server is draining" if after_cut else f"server drained: "
+            f"{reads.why} before the request's body arrived whole; retry"), 503, CLOSE)
     if raw is None:
         return BodyRefusal(body_too_large(limit), 413, CLOSE)
     return raw
