@@ -126,8 +126,10 @@ class CompiledChart:
     # (id(declared statemachine Transition), event) -> Transition, for the coverage listener.
     by_declared: Mapping[tuple[int, str], Transition] = attrs.field(repr=False)
     #: times each transition (by id) was taken in this process, for live transition rates
-    #: (/debug/statecharts). Plain ``+=`` from several threads: monitoring only, it may
-    #: undercount under contention; never used for a decision.
+    #: (/debug/statecharts), by every run but those whose owner counts apart (``ChartRun.
+    #: tally``: the executor's golden jobs and armed jobs no client asked for). Plain ``+=``
+    #: from several threads: monitoring only, it may undercount under contention; never used
+    #: for a decision.
     taken: list[int] = attrs.field(repr=False, eq=False, factory=list)
     #: called with each ``Transition`` a run of this chart takes, after the state changed, on
     #: the thread that sent the event (so a listener must be quick and must not raise).
@@ -397,7 +399,7 @@ class ChartRun:
     ``time.monotonic()``): the path of one job, for design review (``DeviceExecutor.job_trail``).
     """
 
-    __slots__ = ("chart", "state", "model", "_table", "trail", "_now")
+    __slots__ = ("chart", "state", "model", "_table", "trail", "_now", "tally")
 
     def __init__(self, chart: CompiledChart, state: str, model: object) -> None:
         self.chart = chart
@@ -406,6 +408,10 @@ class ChartRun:
         self._table = chart.table
         self.trail: deque[TrailEntry] | None = None
         self._now: Callable[[], float] = time.monotonic
+        #: where the run counts each transition it takes: the chart's ``taken`` (the live
+        #: rates), or a list of the owner's (``DeviceExecutor``: a job nobody asked for yet,
+        #: counted apart from the clients' until it is fired for one)
+        self.tally: list[int] = chart.taken
 
     def keep_trail(self, trail: deque[TrailEntry], now: Callable[[], float]) -> None:
         """Append every taken and refused event to ``trail`` (a bounded deque), stamped with
@@ -464,7 +470,7 @@ class ChartRun:
         if self.trail is not None:
             self.trail.append((event, self.state, transition.target, None, self._now()))
         self.state = transition.target
-        chart.taken[transition.id] += 1
+        self.tally[transition.id] += 1
         listeners = chart.listeners
         if listeners:
             for listener in listeners:
@@ -528,7 +534,7 @@ class EventDataRun(ChartRun):
         if self.trail is not None:
             self.trail.append((event, self.state, transition.target, None, self._now()))
         self.state = transition.target
-        chart.taken[transition.id] += 1
+        self.tally[transition.id] += 1
         for listener in chart.listeners:
             listener(transition)
         if checker is not None:

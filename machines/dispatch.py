@@ -428,6 +428,7 @@ class Dispatch:
         timings, queue it, wake the submitter. A Status: not queued (fenced or cancelled)."""
         gen = job.gen
         job.uncounted = False  # a request now: its answer counts
+        job.count_as_client()  # and its chart's transitions are the client's
         if gen is None or gen.closing or gen is not current:  # fencing: never into another
             return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
                                       "before the job was queued; retry", **job.ctx())

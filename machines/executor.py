@@ -81,7 +81,7 @@ from calexec.machines.chart_names import (
     LIFECYCLE_WARMING,
 )
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import ChartRun
+from calexec.machines.compiled import JOB, ChartRun
 from calexec.machines.completion import Completion
 from calexec.machines.device_api import RELAY_CLOSED, RELAY_INFERRED, SubmitRelay
 from calexec.machines.device_lifecycle import DeviceLifecycle
@@ -385,6 +385,9 @@ class DeviceExecutor(SequenceOwnership):
         # how jobs end when they do not deliver, and the counters: machines/outcomes.py
         self.outcomes = JobOutcomes(config, clock, self.locks, self.dispatch, self.faults,
                                     lambda: self.gen)
+        # the job chart's transitions of the jobs no client asked for (``Job.count_apart``):
+        # JOB.taken, the live page's rates, counts the clients' jobs only
+        self._apart_taken = [0] * len(JOB.transitions)
         # the completion queue and thread's work (§6.5): machines/completion.py. It keeps the
         # moving average of decode jobs' device time that the early wake-ups (issue 17) read:
         # a thread that slept through a decode job's device time wakes tuning.prewake_s
@@ -591,6 +594,8 @@ class DeviceExecutor(SequenceOwnership):
         if request.kind == TaskKind.DECODE:
             job.early_wake_s = self._early_wake_s()
         job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
+        if internal or arm is not None:  # a golden job; an armed one, a client's once fired
+            job.count_apart(self._apart_taken)
         job.auto_next = (arm is None and not internal and self.config.auto_prearm
                          and request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
                          and isinstance(request.positions, np.ndarray))
@@ -780,6 +785,13 @@ class DeviceExecutor(SequenceOwnership):
                 return Status.deadline(Phase.ADMISSION, "admission deadline passed", **job.ctx())
             return None
         return stop
+
+    def internal_job_transitions(self) -> tuple[int, ...]:
+        """Per job chart transition id, the times this executor's jobs no client asked for
+        took it: golden jobs, and armed jobs (auto pre-arm guesses, decode streams' next
+        steps) resolved before being fired for a request (released: ``fail``). ``JOB.taken``
+        (the live page's rates) counts none of these."""
+        return tuple(self._apart_taken)
 
     def job_trail(self, job_id: int) -> JobTrail | None:
         """What happened to one recent job (``JobOutcomes.job_trail``): its chart path, final
@@ -1014,6 +1026,7 @@ class DeviceExecutor(SequenceOwnership):
             job.request = request
             job.deadline = request.deadline
             job.uncounted = False
+            job.count_as_client()
             job.auto_next = True
             job.early_wake_s = self._early_wake_s()  # as of now, not of the arming
             self.outcomes.bump("auto_prearmed")

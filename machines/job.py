@@ -112,7 +112,8 @@ class Job:
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
                  "stream", "early_wake_s", "auto", "auto_next", "_callbacks", "row_claimed",
-                 "relayed", "in_flight_marked", "refuse_wait", "cancel_why", "__weakref__")
+                 "relayed", "in_flight_marked", "refuse_wait", "cancel_why", "apart",
+                 "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -172,6 +173,8 @@ class Job:
         #: the executor's ``refuse_on_worker_thread``: a wait for this job, not resolved yet,
         #: on the executor's own submitter or completion thread (a done callback) raises
         self.refuse_wait: Callable[[str, str], None] | None = None
+        #: ``count_apart``'s sink: None while the job's transitions count as a client's
+        self.apart: list[int] | None = None
 
     @property
     def gen(self) -> Generation | None:
@@ -235,6 +238,25 @@ class Job:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def count_apart(self, sink: list[int]) -> None:
+        """Count this job's chart transitions apart from the clients' (``JOB.taken``, the live
+        page's rates) until ``count_as_client``: into a list of its own, added to ``sink``
+        when the job is resolved still apart (a golden job; an armed job nobody fired for a
+        request: a guess, a stream's next step never asked for, released as Failed)."""
+        self.run.tally = [0] * len(JOB.transitions)
+        self.apart = sink
+
+    def count_as_client(self) -> None:
+        """(The job's owner.) The job is fired for a client's request: what it took so far
+        (its admission, its preparation) and all it takes from now count as the clients'."""
+        own, taken = self.run.tally, JOB.taken
+        if own is not taken:
+            self.run.tally = taken
+            self.apart = None
+            for i, n in enumerate(own):
+                if n:
+                    taken[i] += n
+
     def resolve(self, result: InferenceResult | Status) -> None:
         if isinstance(result, Status):
             result = result.with_context(job_id=self.job_id, seq_id=self.request.seq_id,
@@ -244,6 +266,12 @@ class Job:
         # by reference counting (a Job <-> ChartRun cycle would keep its result's logits
         # array alive until a full garbage collection; the acceptance soak saw RSS climb).
         self.run.model = None
+        apart = self.apart
+        if apart is not None:  # resolved unasked (its chart is final): counted apart
+            self.apart = None
+            for i, n in enumerate(self.run.tally):
+                if n:
+                    apart[i] += n
         if self.on_resolved is not None:
             self.on_resolved(self)
         self._done.set()

@@ -1347,7 +1347,9 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         model.outcomes = dict(outcomes)
-        before = chart.taken[step.id]
+        # (a ChartRun counts into its ``tally``: the chart's ``taken`` unless its owner's own)
+        counted = run.tally if isinstance(run, ChartRun) else chart.taken
+        before = counted[step.id]
         try:
             run.send(step.event)
         except ChartTransitionError:
@@ -1358,7 +1360,7 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
                          f"validator or callback that needs some cannot be driven with a "
                          f"GuardTable; drive it with a model of your own)")
             raise
-        if chart.taken[step.id] == before:
+        if counted[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
                                   _unheard(chart.declaration, outcomes)
                                   or _started_elsewhere(chart))

@@ -69,6 +69,38 @@ def test_live_json_counts_every_chart_and_rates_move_with_traffic(executor):
     assert live["status"]["golden"] == "pinned" and live["status"]["disabled_features"] == []
 
 
+def test_job_rates_count_the_clients_jobs_not_the_executors_own(executor):
+    """Stop 64: under load the page showed the job chart's ``fail`` edge at 640/min against
+    944 admits with no request failing: each stream's next step, armed and released unasked
+    at the request's end (and each auto pre-arm guess, each golden job) counted in
+    ``JOB.taken``. The page's job rates now count the clients' jobs: as many admits as
+    deliveries, no ``fail`` for requests that all succeeded; the executor's own are apart."""
+    def ids(event, source=None):
+        return [t.id for t in JOB.transitions
+                if t.event == event and (source is None or t.source == source)]
+
+    admit, deliver, fail = ids("admit"), ids("deliver"), ids("fail")
+    with TestClient(create_app(executor, ServerConfig())) as client:
+        taken, apart = list(JOB.taken), executor.internal_job_transitions()
+        for i in range(4):
+            r = client.post("/v1/completions", json={"prompt": [i + 1, 2], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4, r.text
+        live = client.get("/debug/statecharts/live.json").json()["charts"]["job"]
+    moved = [new - old for new, old in zip(JOB.taken, taken, strict=True)]
+    jobs = sum(moved[i] for i in deliver)
+    assert jobs >= 4  # every request's jobs delivered, none failed
+    assert [sum(moved[i] for i in ids) for ids in (admit, fail)] == [jobs, 0], moved
+    rates = live["per_minute"]
+    assert sum(rates[i] for i in fail) == 0.0, rates
+    assert sum(rates[i] for i in admit) == sum(rates[i] for i in deliver) > 0, rates
+    # the executor's own: a stream's next step armed and released unasked, counted apart
+    own = [new - old for new, old in zip(executor.internal_job_transitions(), apart,
+                                         strict=True)]
+    assert sum(own[i] for i in fail) == sum(own[i] for i in admit) >= 1, own
+    assert sum(own[i] for i in deliver) == 0, own
+
+
 @pytest.mark.requires_tool("chromium", "dot")
 def test_page_refreshes_itself_in_headless_chromium_under_load(executor, tmp_path):
     """The DOM after 4 s of page time: every state of every chart carries a live count, every

@@ -8,10 +8,13 @@ register its own charts. What is specific to the executor is only where the coun
 - lifecycle: 1 on the current state;
 
 and the status line: lifecycle, generation, golden pin state, disabled features and load.
-Rates are ``CompiledChart.taken`` (every chart run of the process, so the executor's internal
-golden jobs count too; monitoring only). The routes, relative to the mount: ``/`` the page,
-``/live.json``, ``/{chart}.svg`` (lifecycle: the current state highlighted; job: the state
-holding most jobs). ``/debug/jobs/{id}`` (one job's path, admin) stays in debug.py and draws
+Rates are ``CompiledChart.taken`` (monitoring only). The job chart's count the clients' jobs:
+the executor's own (golden jobs, and armed jobs released before any request fired them: an auto
+pre-arm guess, a decode stream's next step no token asked for, each taking ``fail``) count apart,
+in ``DeviceExecutor.internal_job_transitions`` (until stop 64 they did not: under load the
+``fail`` edge read 640/min against 944 admits with no request failing). The routes, relative
+to the mount: ``/`` the page, ``/live.json``, ``/{chart}.svg`` (lifecycle: the current state
+highlighted; job: the state holding most jobs). ``/debug/jobs/{id}`` (one job's path, admin) stays in debug.py and draws
 with ``path_page`` here.
 
 The screenshots of it in docs/diagrams.md are taken by ``calexec diagrams live``
