@@ -49,7 +49,8 @@ FIX_COMMAND = "calexec diagrams"
 #: a transition declared from this many states (or more) is drawn once, from a box
 GROUP_MIN = 3
 ACTIVE_FILL = "turquoise"
-#: SVG ids: a state's node group is ``NODE_ID + state``; an edge's group is ``EDGE_ID`` + the
+#: SVG ids: a state's node group (a compound or parallel state's cluster) is ``NODE_ID +
+#: state``; an edge's group is ``EDGE_ID`` + the
 #: ids of the transitions it draws joined by ``_`` (``CompiledChart.transitions[i].id``)
 NODE_ID = "s_"
 EDGE_ID = "t_"
@@ -490,7 +491,10 @@ def _render_nested_dot(chart: CompiledChart, active: frozenset[str], taken: froz
         fill = f'style="{style[1:-1]}, filled"; fillcolor="{ACTIVE_FILL}"; ' \
             if state.id in active else f"style={style}; "
         out.append(f"{indent}subgraph cluster_{state.id} {{")
-        out.append(f"{indent}  label={_q(_state_text(chart, state.id) + kind)}; {fill}{color}fontsize=13;")
+        # the box's SVG group carries the state's id, as a leaf's node does: the live page
+        # paints its count there (until stop 64 a compound or parallel state had no badge)
+        out.append(f"{indent}  label={_q(_state_text(chart, state.id) + kind)}; {fill}{color}fontsize=13; "
+                   f"id={_q(NODE_ID + state.id)};")
         if state.parallel:
             out.append(f'{indent}  {anchor(state.id)} [label="", shape=point, width=0.01, '
                        f'style=invis];')

@@ -94,3 +94,47 @@ def test_a_run_pages_query_it_does_not_take_is_a_400_naming_it(query: str, named
     assert refused.status_code == 400, refused.text[:300]
     assert named in refused.json()["error"], refused.text[:300]
     assert data.status_code == 200 and data.json()["trail"][-1]["to"] == "playing", data.text
+
+
+@pytest.mark.requires_tool("chromium", "dot")
+def test_the_page_counts_compound_and_parallel_states_too(tmp_path: Path) -> None:
+    """Stop 64: the page painted a count beside every leaf state only: a compound or
+    parallel state's box (a graphviz cluster) carried no ``s_<id>`` id, so ``playing`` (2
+    runs in it) showed no count, though ``live.json`` had it. Each box now carries its
+    state's id and its count, as a leaf's node does."""
+    import re
+
+    import httpx
+
+    from calexec.drivers.tools.live_screenshots import chromium_capture
+    from test_server_support import LiveServer
+
+    media = _media()
+    chart = media.MediaPlayer  # type: ignore[attr-defined]
+    inspector = Inspector()
+    runs: list[object] = []
+    inspector.register(chart, runs=lambda: runs)
+    run = compiled(chart).run(media.Player())  # type: ignore[attr-defined]
+    machine = chart(model=media.Player())  # type: ignore[attr-defined]
+    runs += [run, machine]
+    for event in RESUMED[:3]:
+        run.send(event)
+        machine.send(event)
+    boxes = [s.id for s in chart.states_map.values() if s.states]
+    assert "playing" in boxes and len(boxes) >= 3, boxes
+    try:
+        with LiveServer(inspector_app(inspector)) as server:
+            counts = httpx.get(f"{server.url}/live.json").json()["charts"]["MediaPlayer"][
+                "counts"]
+            done = chromium_capture(f"{server.url}/", str(tmp_path))
+    finally:
+        inspector.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    assert counts["playing"] == 2
+    for state in boxes:  # every box: its group found by id, painted with live.json's count
+        found = re.search(rf'<g id="s_{state}" class="cluster"[^>]*data-count="(\d+)"', dom)
+        assert found, (state, re.findall(r'<g id="[^"]*" class="cluster"[^>]*>', dom))
+        assert int(found.group(1)) == counts[state], state
+        badge = re.search(rf'<g id="s_{state}" class="cluster".*?</g>', dom, re.S)
+        assert badge and 'class="live-count"' in badge.group(0), state
