@@ -29,7 +29,8 @@ import re
 import threading
 import urllib.parse
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -1182,11 +1183,7 @@ COUNT_IGNORED = "min/maxProperties only supported when all keys listed"
 def _count_place(schema: dict[str, Any]) -> tuple[str, str]:
     """(the keyword, the JSON pointer) of the first ``minProperties``/``maxProperties``
     (breadth first) beside ``properties`` not all ``required``."""
-    todo: list[tuple[str, Any]] = [("", schema)]
-    while todo:
-        where, node = todo.pop(0)
-        if not isinstance(node, dict):
-            continue
+    for where, node in _schema_nodes(schema):
         own = node.get("properties")
         required = node.get("required")
         if isinstance(own, dict) and not set(own) <= set(
@@ -1194,15 +1191,6 @@ def _count_place(schema: dict[str, Any]) -> tuple[str, str]:
             for key in ("minProperties", "maxProperties"):
                 if key in node:
                     return key, f"{where}/{key}"
-        for key, value in node.items():
-            at = f"{where}/{_escaped(key)}"
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                todo.extend((f"{at}/{_escaped(name)}", sub) for name, sub in value.items()
-                            if not (key == "$defs" and name.startswith(_OPEN_PREFIX)))
-            elif key in _SUBSCHEMAS and isinstance(value, list):
-                todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
-            elif key in _SUBSCHEMAS:
-                todo.append((at, value))
     return "maxProperties", "/"
 
 
@@ -1212,11 +1200,7 @@ def _one_of_place(schema: dict[str, Any]) -> str:
     from llguidance import LLMatcher
     defs = {key: schema[key] for key in ("$defs", "definitions") if key in schema}
     first = None
-    todo: list[tuple[str, Any]] = [("", schema)]
-    while todo:
-        where, node = todo.pop(0)
-        if not isinstance(node, dict):
-            continue
+    for where, node in _schema_nodes(schema):
         if isinstance(node.get("oneOf"), list):
             first = first or f"{where}/oneOf"
             try:
@@ -1230,15 +1214,6 @@ def _one_of_place(schema: dict[str, Any]) -> str:
                     any(isinstance(sub, dict) and "oneOf" in json.dumps(sub)
                         for sub in node["oneOf"]):  # (an inner oneOf may be the one)
                 return f"{where}/oneOf"
-        for key, value in node.items():
-            at = f"{where}/{_escaped(key)}"
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                todo.extend((f"{at}/{_escaped(name)}", sub) for name, sub in value.items()
-                            if not (key == "$defs" and name.startswith(_OPEN_PREFIX)))
-            elif key in _SUBSCHEMAS and isinstance(value, list):
-                todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
-            elif key in _SUBSCHEMAS:
-                todo.append((at, value))
     return first or "/"
 
 
@@ -1249,14 +1224,24 @@ def _keyword_place(schema: Any, keys: Sequence[str]) -> tuple[str, str]:
     copies :func:`closed_schema` adds to ``$defs`` (their originals are walked); the walk is
     bounded by the body's own nesting limit."""
     wanted = set(keys)
-    todo: list[tuple[str, Any]] = [("", schema)]
-    while todo:
-        where, node = todo.pop(0)
-        if not isinstance(node, dict):
-            continue
+    for where, node in _schema_nodes(schema):
         for key in node:
             if key in wanted:
                 return key, f"{where}/{_escaped(key)}"
+    return keys[0], ""
+
+
+def _schema_nodes(schema: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each schema object in ``schema``, breadth first, with its JSON pointer: the subschemas
+    of the applicators and maps (``_SUBSCHEMAS``, ``_SCHEMA_MAPS``), not values (a property
+    named ``if`` is a name, a ``const`` a value), nor the open copies :func:`closed_schema`
+    adds to ``$defs`` (their originals are walked); bounded by the body's nesting limit."""
+    todo: deque[tuple[str, Any]] = deque([("", schema)])
+    while todo:
+        where, node = todo.popleft()
+        if not isinstance(node, dict):
+            continue
+        yield where, node
         for key, value in node.items():
             at = f"{where}/{_escaped(key)}"
             if key in _SCHEMA_MAPS and isinstance(value, dict):
@@ -1266,7 +1251,6 @@ def _keyword_place(schema: Any, keys: Sequence[str]) -> tuple[str, str]:
                 todo.extend((f"{at}/{i}", sub) for i, sub in enumerate(value))
             elif key in _SUBSCHEMAS:
                 todo.append((at, value))
-    return keys[0], ""
 
 
 def _escaped(name: str) -> str:
