@@ -142,10 +142,10 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        return _drop_nulls(cls, data)
+        return drop_nulls(cls, data)
 
 
-def _drop_nulls(model: type[BaseModel], data: Any) -> Any:
+def drop_nulls(model: type[BaseModel], data: Any) -> Any:
     """``data`` without the ``null`` values of ``model``'s optional fields (they take their
     default: ``n: null`` is 1, ``echo: null`` false). Required fields and unknown keys keep
     theirs, so a null ``messages`` is still a type error and an unknown key still refused."""
@@ -2051,7 +2051,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        return _drop_nulls(cls, data)
+        return drop_nulls(cls, data)
 
 
 class DetokenizeRequest(BaseModel):

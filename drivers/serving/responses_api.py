@@ -40,6 +40,7 @@ from calexec.drivers.serving.openai_api import (
     Number,
     Refusal,
     auth_refusal,
+    drop_nulls,
     invalid,
     metadata_refusal,
     parse,
@@ -112,11 +113,7 @@ class ResponsesRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if not (v is None and k in fields and not fields[k].is_required())}
+        return drop_nulls(cls, data)
 
 
 class InputTokensRequest(BaseModel):
@@ -143,9 +140,7 @@ class InputTokensRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return drop_nulls(cls, data)
 
 
 def counted_body(body: InputTokensRequest) -> ChatRequest:
