@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from statemachine import HistoryState, State, StateChart
 from statemachine.exceptions import TransitionNotAllowed
 
+import needs
 from calexec.cli import main as cli
 from calexec.machines.compiled import ChartTransitionError, compiled
 from calexec.machines.diagrams import render_chart_dot
@@ -78,6 +79,7 @@ def test_a_changed_lambda_makes_the_drawing_stale(
         capsys: pytest.CaptureFixture[str]) -> None:
     """``charts draw --check`` sees a lambda's rule change (until stop 64 both were
     ``<lambda>``: the committed diagram stayed "up to date")."""
+    needs.tool("dot")  # (charts draw renders the SVG beside the DOT)
     module = _module(tmp_path, monkeypatch, LOANS)
     ref = f"{module.__name__}:LoanApproval"
     assert cli(["charts", "draw", ref]) == 0
