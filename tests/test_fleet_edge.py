@@ -290,3 +290,17 @@ def test_chat_completions_are_relayed_like_completions():
              body={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and len(sent) == 1
     assert sent[0]["path"] == "/v1/chat/completions"
+
+
+def test_a_completion_path_with_an_encoded_slash_is_not_relayed():
+    """``POST /v1%2Fcompletions`` is no completion to the replica's server (an encoded slash
+    outside a model id is no separator: ``wire.routed_path``; it answers 404), but the edge
+    decided on the decoded path and, its replica not serving, relayed it to a sibling (a relay
+    spent on a request no replica serves). The edge now decides on the path the server routes:
+    the replica answers it itself."""
+    local, remote = FakeApp(404), FakeApp(200)
+    relay, sent = sibling(remote)
+    e = edge(local, serving=False, relay=relay)
+    r = post(e, path="/v1%2Fcompletions")
+    assert r.status_code == 404 and not sent and e.relayed == 0
+    assert RELAYED_FROM.decode() not in r.headers

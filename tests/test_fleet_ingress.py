@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.parse
 
 import pydantic
 import pytest
@@ -122,16 +123,19 @@ class Client:
 
     def __init__(self, body: dict = BODY, path: str = "/v1/completions",
                  leave_after: int | None = None,
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+                 headers: tuple[tuple[bytes, bytes], ...] = (), method: str = "POST",
+                 raw_path: bytes | None = None) -> None:
         self.body, self.path, self.leave_after = body, path, leave_after
-        self.headers = headers
+        self.headers, self.method, self.raw_path = headers, method, raw_path
         self.messages: list[dict] = []
         self.left = asyncio.Event()
 
     async def run(self, app) -> Client:
-        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
+        scope = {"type": "http", "method": self.method, "path": self.path, "query_string": b"",
                  "headers": [(b"content-type", b"application/json"), *self.headers],
                  "http_version": "1.1"}
+        if self.raw_path is not None:  # as uvicorn gives it: undecoded, beside the decoded one
+            scope["raw_path"] = self.raw_path
         given = False
 
         async def receive():
@@ -601,3 +605,67 @@ def test_the_error_event_follows_a_sequence_number_cut_between_two_chunks():
     last = [e for e in client.content.split(b"\n\n") if e][-1]
     event = ResponseErrorEvent.model_validate_json(last.partition(b"\ndata: ")[2])
     assert event.sequence_number == 2, event
+
+
+class Hanging:
+    """A replica that names itself and then never answers (its ``requests``: what reached it)."""
+
+    def __init__(self, name: str = "r1") -> None:
+        self.name = name
+        self.requests: list[dict] = []
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        yield {"type": PROGRESS_TYPE, "replica": self.name}
+        await asyncio.Event().wait()  # (cancelled by the ingress's bound)
+        yield {}  # pragma: no cover - never reached
+
+
+def sent_as(raw: str) -> dict:
+    """``Client`` keywords of a request sent as ``raw``: its ``raw_path``, and the ``path``
+    uvicorn decodes it to (``unquote``: an encoded slash a separator, a byte of no UTF-8
+    character U+FFFD)."""
+    return {"path": urllib.parse.unquote(raw), "raw_path": raw.encode()}
+
+
+@pytest.mark.parametrize("raw", ["/v1%2Fcompletions", "/v1/chat%2Fcompletions",
+                                 "/v1%2Fresponses"])
+def test_a_generation_route_with_an_encoded_slash_is_no_generation_to_the_ingress(raw):
+    """The replica routes the path as sent (an encoded slash outside a model id is no
+    separator: ``wire.routed_path``) and answers ``POST /v1%2Fcompletions`` 404; the ingress
+    decided on the decoded path and took it for a completion: progress asked, and a replica's
+    503 failed over to a sibling (its failover budget spent on a request no replica serves).
+    It is now forwarded once, as any route that is no generation."""
+    r1, r2 = Replica("r1", fail_at=0, how="503"), Replica("r2")
+    router = Router(r1, r2)
+    app = ingress(router)
+    client = run(app, Client(**sent_as(raw)))
+    assert router.calls == ["r1"], router.calls
+    assert client.starts[0]["status"] == 503 and not app.failovers
+    assert not {"progress", "resume", "avoid"} & set(r1.requests[0]), r1.requests[0]
+    assert r1.requests[0]["raw_path"] == raw.encode()  # the replica routes it as sent
+
+
+@pytest.mark.parametrize("method, raw, named", [
+    ("GET", "/nope%FFx", "GET /nope%FFx"),
+    ("GET", "/v1/models/%ff%fe", "GET /v1/models/%ff%fe"),
+    ("POST", "/admin%2Freload", "POST /admin%2Freload"),
+])
+def test_the_ingress_s_504_names_the_path_as_sent_and_bounds_it_as_the_replica_routes_it(
+        caplog, method, raw, named):
+    """A replica that never answers a route forwarded once: the ingress's 504 and its log line
+    named the decoded path (``GET /nope\ufffdx``, a character the client never sent), and
+    bounded ``POST /admin%2Freload`` as ``/admin/reload`` (``admin_timeout_s``, ``x-should-retry:
+    false``), a route the replica does not route it to (it answers 404). Now the path as sent,
+    bounded by ``route_timeout_s`` as the replica's 404 would be."""
+    app = ingress(Router(Hanging()), route_timeout_s=0.01, admin_timeout_s=0.02)
+    with caplog.at_level("WARNING", logger="calexec.fleet_ingress"):
+        client = run(app, Client(method=method, **sent_as(raw)))
+    assert client.starts[0]["status"] == 504
+    message = json.loads(client.content)["error"]["message"]
+    assert message.startswith(f"{named}: no answer from replica r1 within route_timeout_s="), \
+        message
+    assert client.header(b"x-should-retry") is None and client.header(b"retry-after") == b"1"
+    logged = [r.getMessage() for r in caplog.records if "no answer from replica" in r.getMessage()]
+    assert logged and logged[0].startswith(f"{named}: "), logged
+    assert "\ufffd" not in message + logged[0]

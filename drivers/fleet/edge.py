@@ -205,7 +205,21 @@ class ReplicaEdge:
 
 
 def route_path(scope: Message) -> str:
-    """The request path below the app's mount point (``root_path``)."""
+    """The path the replica's server routes the request on, below the app's mount point
+    (``root_path``): the server's own rule (``wire.routed_path``, its ``RawPaths``) on the path
+    as sent, so an encoded slash outside a model id is no separator and an escape of no UTF-8
+    character stays as written; the decoded path where that rule keeps it. The edge and the
+    fleet ingress decide on it (relay, resume, bounds) and name it in their own answers: on
+    the decoded path, ``POST /v1%2Fcompletions`` was a completion to them (progress asked,
+    failed over on a 503) while the replica answered it 404, and an ingress 504 named
+    ``GET /nope%FFx`` as ``GET /nope\ufffdx``."""
+    routed = wire.routed_path(route_raw_path(scope))
+    return decoded_path(scope) if routed is None else routed
+
+
+def decoded_path(scope: Message) -> str:
+    """The request path as the HTTP server decoded it (``path``) below the app's mount point
+    (``root_path``): what the ASGI scope of a relayed request carries as its ``path``."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root) else path
 
@@ -216,7 +230,7 @@ def route_raw_path(scope: Message) -> bytes:
     path encoded when the server gave no ``raw_path``."""
     raw = scope.get("raw_path")
     if not isinstance(raw, bytes):
-        return route_path(scope).encode()
+        return decoded_path(scope).encode()
     root = scope.get("root_path", "").encode()
     return raw[len(root):] if root and raw.startswith(root) else raw
 
@@ -232,7 +246,7 @@ def relay_request(scope: Message, body: bytes, replica: str) -> Message:
     headers = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])
                if k.lower() not in (RELAYED_FROM, b"content-length", b"transfer-encoding")]
     headers += [(RELAYED_FROM, replica.encode()), (b"content-length", str(len(body)).encode())]
-    request = {"method": scope["method"], "path": route_path(scope),
+    request = {"method": scope["method"], "path": decoded_path(scope),
                "raw_path": route_raw_path(scope),
                "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
                "body": body, "http_version": scope.get("http_version", "1.1")}

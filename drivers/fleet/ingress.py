@@ -63,7 +63,11 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    naming the route, the replica and the bound (with ``Retry-After`` on the routes a retry
    may serve elsewhere; ``x-should-retry: false`` on ``/admin/*``, whose work may still be
    under way on that replica): a replica that hangs without dying held such a request, and
-   its client's connection, for ever. A JSON or text answer cut after it started (a replica
+   its client's connection, for ever. Which route a request is (here, in 1-4 and 6) and the
+   path the ingress's own answers and log lines name is the path the replica's server routes
+   (:func:`~calexec.drivers.fleet.edge.route_path`: ``POST /v1%2Fcompletions`` is no
+   completion, ``GET /nope%FFx`` is named as sent), until stop 64 the decoded path.
+   A JSON or text answer cut after it started (a replica
    that died mid-body, a bound met while the body went out) is left unfinished, so the
    server closes the connection and the client sees an incomplete body: the SSE error event
    goes only into an SSE stream (it was appended to the JSON body, which then looked whole).
