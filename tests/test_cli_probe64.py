@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import needs
 from calexec import cli
 from calexec.contracts.goldens import goldens_path
 from calexec.contracts.manifest import default_manifest_path, load_manifest
@@ -120,6 +121,7 @@ def test_diagrams_prints_each_file_written_as_one_shell_word_on_its_line(
     there), a space split it into two words; ``--check`` and its ``stale:`` lines the same.
     Each is now one shell word on its line (``shlex.quote``; ``$'...'`` for a control
     character or a byte that is not UTF-8), which bash reads back as the path."""
+    needs.tool("dot")  # (diagrams renders each chart's SVG beside its DOT)
     out = tmp_path / name
     assert cli.main(["diagrams", "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
