@@ -171,6 +171,51 @@ class UnsupportedSend(UnsupportedChart, InvalidDefinition):
     turn it into ``error.execution``."""
 
 
+class UnsupportedInit(UnsupportedChart, InvalidDefinition):
+    """A callback read an attribute of the chart's ``self`` that the chart's own ``__init__``
+    sets (``self.total = 0``): a compiled run makes the chart without calling its
+    ``__init__``, so the callback would fail where an instance's does not (under
+    ``StateChart`` semantics silently: its ``AttributeError`` became ``error.execution`` and
+    the run stayed where the instance moved on). An ``InvalidDefinition`` too, so it reaches
+    the caller of ``send`` under either semantics."""
+
+
+def _own_init(declaration: type) -> Any:
+    """The ``__init__`` the chart class (or a base of the user's, not python-statemachine's)
+    defines itself, or None."""
+    for cls in declaration.__mro__:
+        if cls.__module__.split(".")[0] == "statemachine" or cls is object:
+            return None
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            return init
+    return None
+
+
+def _init_skipped(run: StatechartRun, error: BaseException) -> UnsupportedInit | None:
+    """``error`` as ``UnsupportedInit`` when it is a callback's read of an attribute of the
+    run's ``machine`` that the chart's own ``__init__`` names; None otherwise (a chart's own
+    mistake: it reaches the caller, or ``error.execution``, as on an instance)."""
+    if not isinstance(error, AttributeError) or getattr(error, "obj", None) is not run.machine:
+        return None
+    name = getattr(error, "name", None)
+    init = _own_init(run.declaration)
+    code = getattr(init, "__code__", None)
+    if not name or code is None or name not in code.co_names:
+        return None
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    callback = f"callback {tb.tb_frame.f_code.co_name!r} " if tb is not None else "a callback "
+    owner = init.__qualname__.rpartition(".")[0] or run.declaration.__name__
+    where = f" ({code.co_filename.rpartition('/')[2]}:{code.co_firstlineno})"
+    return UnsupportedInit(
+        f"{run.chart.name}: {callback}read self.{name}, which {owner}.__init__{where} sets; "
+        f"a compiled run makes the chart without calling its __init__, so self.{name} is not "
+        f"there: keep such state on the model (self.model.{name}, the model given to "
+        f"run(model)), or test an instance of {run.declaration.__name__}")
+
+
 class _EngineView(_RunView):
     """What ``machine.send``, ``machine.raise_`` and ``machine.<event>()`` reach from a
     callback (python-statemachine's engine): the run's queues, as its engine queues them: an
@@ -501,7 +546,13 @@ class StatechartRun:
         name = known.name if isinstance(known, Event) else event
         bound = BoundEvent(id=event, name=name, _sm=self.machine)
         trigger = bound.build_trigger(*args, machine=self.machine, **_data(kwargs))
-        return self._processing_loop(trigger)
+        try:
+            return self._processing_loop(trigger)
+        except AttributeError as err:  # (a validator's or a StateMachine guard's: raised)
+            skipped = _init_skipped(self, err)
+            if skipped is not None:
+                raise skipped from err
+            raise
 
     def can(self, event: str, *args: object, **kwargs: object) -> bool:
         """Whether ``event`` would enable a transition now (validators and guards evaluated,
@@ -512,7 +563,12 @@ class StatechartRun:
         queued = len(self._internal)
         try:
             return bool(self._select(trigger, eventless=False))
-        except Exception:  # noqa: BLE001 - a raising validator or guard: the event is refused
+        except UnsupportedInit:
+            raise
+        except Exception as err:  # noqa: BLE001 - a raising validator or guard: refused
+            skipped = _init_skipped(self, err)
+            if skipped is not None:
+                raise skipped from err
             return False
         finally:
             self._cache.clear()
@@ -796,6 +852,9 @@ class StatechartRun:
         def handler(error: Exception) -> None:
             if isinstance(error, InvalidDefinition):
                 raise error
+            skipped = _init_skipped(self, error)
+            if skipped is not None:
+                raise skipped from error
             self._raise_internal(_ERROR_EXECUTION, error=error)
 
         return handler
@@ -805,6 +864,9 @@ class StatechartRun:
         self._internal.append(bound.build_trigger(*args, machine=self.machine, **_data(kwargs)))
 
     def _handle_error(self, error: Exception, trigger: TriggerData) -> None:
+        skipped = _init_skipped(self, error)
+        if skipped is not None:
+            raise skipped from error
         if not self.catch_errors_as_events:
             raise error
         if trigger.event and str(trigger.event) == _ERROR_EXECUTION:

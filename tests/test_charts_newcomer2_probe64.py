@@ -1,0 +1,104 @@
+"""Stop 64, a second newcomer's charts (async callbacks, enum states, ``Event`` objects with
+ids and names, event data, charts whose ``__init__`` takes arguments): a callback reading an
+attribute the chart's own ``__init__`` sets (``self.total = 0``, the pattern of
+python-statemachine's docs) failed in a compiled run, which makes the chart without its
+``__init__``; under ``StateChart`` semantics silently (the ``AttributeError`` became
+``error.execution``, the run stayed where the instance moved on), under ``StateMachine``
+semantics as a bare ``AttributeError``. It is now ``UnsupportedInit``, one line naming the
+chart, the callback, the attribute and what to do."""
+
+from __future__ import annotations
+
+import pytest
+from statemachine import Event, State, StateChart, StateMachine
+
+from calexec.machines.compiled import compiled
+from calexec.machines.statechart_run import UnsupportedInit
+
+
+class Vending(StateChart):
+    idle = State(initial=True)
+    has_coin = State()
+    vending = State(final=True)
+
+    insert = Event(idle.to(has_coin) | has_coin.to.itself(), name="Insert coin")
+    go = Event(has_coin.to(vending, cond="enough"), id="vend_now", name="Go")
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.total = 0
+        super().__init__(*args, **kwargs)
+
+    def enough(self, price: int = 5) -> bool:
+        return self.total >= price
+
+    def on_insert(self, amount: int = 1) -> None:
+        self.total += amount
+
+
+class Limited(StateMachine):
+    pending = State(initial=True)
+    accepted = State(final=True)
+
+    pay = pending.to(accepted, cond="within")
+
+    def __init__(self, model: object = None, *, limit: int = 10) -> None:
+        self.limit = limit
+        super().__init__(model)
+
+    def within(self, amount: int = 0) -> bool:
+        return amount <= self.limit
+
+
+class Tagged(StateChart):
+    """An ``__init__`` whose attributes no callback reads, and a callback's own mistake."""
+
+    pending = State(initial=True)
+    accepted = State()
+    broken = State(final=True)
+
+    pay = pending.to(accepted)
+    error_execution = accepted.to(broken)
+    poke = accepted.to.itself(on="typo")
+
+    def __init__(self, *args: object, tag: str = "", **kwargs: object) -> None:
+        self.tag = tag
+        super().__init__(*args, **kwargs)
+
+    def typo(self) -> None:
+        self.not_set_anywhere += 1  # type: ignore[attr-defined]
+
+
+def test_an_action_reading_what_the_charts_init_sets_is_refused_not_silently_dropped() -> None:
+    sm = Vending()
+    sm.send("insert", amount=5)
+    assert sm.configuration_values == {"has_coin"} and sm.total == 5
+    run = compiled(Vending).run(None)
+    with pytest.raises(UnsupportedInit) as caught:
+        run.send("insert", amount=5)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("Vending: callback 'on_insert' read self.total, which "
+                              "Vending.__init__ (test_charts_newcomer2_probe64.py:")
+    assert "keep such state on the model (self.model.total" in message
+
+
+def test_a_statemachine_guard_reading_what_its_init_sets_names_it() -> None:
+    sm = Limited(limit=10)
+    sm.send("pay", amount=5)
+    assert sm.configuration_values == {"accepted"}
+    run = compiled(Limited).run(None)
+    with pytest.raises(UnsupportedInit, match=r"^Limited: callback 'within' read self\.limit, "
+                       r"which Limited\.__init__ \(.*\) sets; .*test an instance of Limited$"):
+        run.send("pay", amount=5)
+    with pytest.raises(UnsupportedInit, match="self.limit"):
+        compiled(Limited).run(None).can("pay", amount=5)
+
+
+def test_an_init_no_callback_reads_and_a_callbacks_own_mistake_run_as_an_instance() -> None:
+    sm = Tagged(tag="t")
+    run = compiled(Tagged).run(None)
+    for event in ("pay", "poke"):
+        sm.send(event)
+        run.send(event)
+        assert list(run.configuration) == sorted(sm.configuration_values)
+    assert list(run.configuration) == ["broken"]  # the typo became error.execution, in both
