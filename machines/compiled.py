@@ -317,7 +317,8 @@ class CompiledChart:
                 state = self.state_of(saved)
                 if state is None:
                     raise ValueError(f"{self.name}: the model's state={saved!r} is the value of "
-                                     f"none of the chart's states {self.states}")
+                                     f"none of the chart's states "
+                                     f"{_values_text(self.declaration, self.states)}")
         elif state not in self.states:
             raise ValueError(f"{self.name}: state={state!r} is not one of {self.states}")
         if values:  # (a guard answered by an attribute: read, as an instance reads it)
@@ -355,6 +356,17 @@ def _state_of(declaration: type[StateChart[Any]], states: tuple[str, ...],
     return None
 
 
+def _values_text(declaration: type[StateChart[Any]], states: tuple[str, ...]) -> str:
+    """The states a value was looked for in: their ids (``('off', 'on')``) when each state's
+    value is its id, else each id with its value (``(off='OFF', on='ON', broken=99)``: a
+    chart declared with ``value=`` or from an Enum, where the ids alone named the very
+    word refused)."""
+    values = {str(s.id): s.value for s in declaration.states_map.values() if s.id in states}
+    if all(values.get(state) == state for state in states):
+        return str(states)
+    return f"({', '.join(f'{state}={values.get(state)!r}' for state in states)})"
+
+
 def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[str, ...],
                  flat: bool) -> str:
     """The state a flat run of ``declaration`` starts in when its model holds none: its
@@ -371,7 +383,8 @@ def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[st
     state = _state_of(declaration, states, values[0])
     if state is None:
         raise ValueError(f"{name}: start_configuration_values={values!r}: {values[0]!r} is the "
-                         f"value of none of the chart's states {states}")
+                         f"value of none of the chart's states "
+                         f"{_values_text(declaration, states)}")
     return state
 
 

@@ -5,14 +5,19 @@ python-statemachine's docs) failed in a compiled run, which makes the chart with
 ``__init__``; under ``StateChart`` semantics silently (the ``AttributeError`` became
 ``error.execution``, the run stayed where the instance moved on), under ``StateMachine``
 semantics as a bare ``AttributeError``. It is now ``UnsupportedInit``, one line naming the
-chart, the callback, the attribute and what to do."""
+chart, the callback, the attribute and what to do. And a model's state that no state's
+``value=`` matches was refused listing the state ids (``state='on' is the value of none of the
+chart's states ('off', 'on', 'broken')``, the word refused among them); the values are
+listed now."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 from statemachine import Event, State, StateChart, StateMachine
 
-from calexec.machines.compiled import compiled
+from calexec.machines.compiled import compile_chart, compiled
 from calexec.machines.statechart_run import UnsupportedInit
 
 
@@ -102,3 +107,27 @@ def test_an_init_no_callback_reads_and_a_callbacks_own_mistake_run_as_an_instanc
         run.send(event)
         assert list(run.configuration) == sorted(sm.configuration_values)
     assert list(run.configuration) == ["broken"]  # the typo became error.execution, in both
+
+
+class Switch(StateMachine):
+    off = State(initial=True, value="OFF")
+    on = State(value="ON")
+    broken = State(final=True, value=99)
+
+    flip = off.to(on) | on.to(off)
+    smash = off.to(broken) | on.to(broken)
+
+
+def test_a_state_value_no_state_has_is_refused_naming_the_values_not_only_the_ids() -> None:
+    chart = compiled(Switch)
+    assert chart.run(SimpleNamespace(state="ON")).state == "on"
+    with pytest.raises(ValueError) as caught:
+        chart.run(SimpleNamespace(state="on"))
+    assert str(caught.value) == ("Switch: the model's state='on' is the value of none of the "
+                                 "chart's states (off='OFF', on='ON', broken=99)")
+
+    class Parked(Switch):
+        start_configuration_values = ["on"]
+
+    with pytest.raises(ValueError, match=r"\(off='OFF', on='ON', broken=99\)$"):
+        compile_chart(Parked)
