@@ -43,7 +43,8 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         as_python = not sep and tail.isidentifier() and all(
             part.isidentifier() for part in head.split("."))  # locker.ParcelLocker
         hint = f"; did you mean {head + ':' + tail!r}?" if as_python else ""
-        if as_python and _is_module_file(os.path.abspath(cwd or os.getcwd()), ref):
+        if (as_python or ref.isidentifier()) and _is_module_file(
+                os.path.abspath(cwd or os.getcwd()), ref):  # (order_workflow too, undotted)
             # mypkg.charts.orders: a module, not a module and its class
             hint = (f"; {ref!r} is a module: name a chart class it declares after a colon, "
                     f"{ref}:CLASS")
@@ -81,7 +82,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             hint = ""
             if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
                 hint = _found_below(root, module_name)
-            hint += _same_ids_hint(err)
+            hint += _same_ids_hint(err) + _package_hint(err, root, module_name, class_name)
             if (not hint and isinstance(err, ModuleNotFoundError) and err.name
                     and module_name.startswith(err.name)):
                 hint = _near_module(root, err.name)
@@ -323,6 +324,25 @@ def _near_module(root: str, missing: str) -> str:
     if near is None:
         return ""
     return f"; did you mean {(parent + '.' if parent else '') + near!r}?"
+
+
+def _package_hint(err: BaseException, root: str, module_name: str, class_name: str) -> str:
+    """``; ticket is module pkg.charts.ticket of a package: run from /src and name
+    pkg.charts.ticket:Ticket`` when the module's relative imports failed because it was
+    imported from inside its package (its directory holds an ``__init__.py``); "" otherwise."""
+    if not (isinstance(err, ImportError) and "relative import" in str(err)):
+        return ""
+    directory, parts = os.path.join(root, *module_name.split(".")[:-1]), [module_name]
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        directory, package = os.path.split(directory)
+        if not package.isidentifier():
+            return ""
+        parts.insert(0, package)
+    if len(parts) == 1:
+        return ""
+    dotted = ".".join(parts)
+    return (f"; {module_name} is module {dotted} of a package: run from {directory} and name "
+            f"{dotted}:{class_name}")
 
 
 def _is_module_file(root: str, dotted: str) -> bool:

@@ -8,15 +8,18 @@ semantics as a bare ``AttributeError``. It is now ``UnsupportedInit``, one line 
 chart, the callback, the attribute and what to do. And a model's state that no state's
 ``value=`` matches was refused listing the state ids (``state='on' is the value of none of the
 chart's states ('off', 'on', 'broken')``, the word refused among them); the values are
-listed now."""
+listed now. ``charts draw flags`` (a module of charts, its class not named) and ``ticket:Ticket``
+named from inside its package (its relative imports failing) now say what to name."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from statemachine import Event, State, StateChart, StateMachine
 
+from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import compile_chart, compiled
 from calexec.machines.statechart_run import UnsupportedInit
 
@@ -131,3 +134,33 @@ def test_a_state_value_no_state_has_is_refused_naming_the_values_not_only_the_id
 
     with pytest.raises(ValueError, match=r"\(off='OFF', on='ON', broken=99\)$"):
         compile_chart(Parked)
+
+
+def test_a_module_named_without_its_class_or_from_inside_its_package_says_what_to_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stem = f"flags_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{stem}.py").write_text(
+        "from statemachine import State, StateChart\n\n\nclass Lenient(StateChart):\n"
+        "    a = State(initial=True)\n    b = State(final=True)\n    go = a.to(b)\n",
+        encoding="utf-8")
+    package = tmp_path / f"pkg_{stem}" / "charts"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("", encoding="utf-8")
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "rules.py").write_text("LIMIT = 100\n", encoding="utf-8")
+    (package / f"ticket_{stem}.py").write_text(
+        "from statemachine import State, StateChart\n\nfrom .rules import LIMIT\n\n\n"
+        "class Ticket(StateChart):\n    a = State(initial=True)\n    b = State(final=True)\n"
+        "    go = a.to(b)\n", encoding="utf-8")
+    with pytest.raises(ChartRefError) as caught:
+        load_chart(stem, cwd=str(tmp_path))
+    assert str(caught.value).endswith(f"; {stem!r} is a module: name a chart class it declares "
+                                      f"after a colon, {stem}:CLASS")
+    monkeypatch.syspath_prepend(str(package))  # (removed again: no other test imports it)
+    with pytest.raises(ChartRefError) as caught:
+        load_chart(f"ticket_{stem}:Ticket", cwd=str(package))
+    dotted = f"pkg_{stem}.charts.ticket_{stem}"
+    assert str(caught.value).endswith(
+        f"attempted relative import with no known parent package); ticket_{stem} is module "
+        f"{dotted} of a package: run from {tmp_path} and name {dotted}:Ticket")
+    assert load_chart(f"{dotted}:Ticket", cwd=str(tmp_path)).__name__ == "Ticket"
