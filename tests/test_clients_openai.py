@@ -16,15 +16,11 @@ import pytest
 
 import needs
 from calexec.drivers.serving import byte_tokenizer as tokenizer
-from test_server_support import MODEL, openai_server, oracle_tokens
-
-TIMEOUT_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
+from test_server_support import (
+    MODEL,
+    oracle_tokens,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+)
 
 
 def _plain_prompt(messages: list[dict]) -> list[int]:

@@ -13,23 +13,16 @@ import pytest
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     ServeLikeServer,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
     oracle_tokens,
     read_until_closed,
     responses,
     send_raw,
     server_idle,
-    started_executor,
     wait_for,
 )
 
 PROMPT = [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
 
 
 @pytest.fixture(scope="module")

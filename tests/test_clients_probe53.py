@@ -8,21 +8,16 @@ import openai
 import pytest
 
 import needs
-from test_server_support import MODEL, openai_server
-
-TIMEOUT_S = 10.0
+from test_server_support import (
+    MODEL,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+)
 
 #: a tool whose arguments the synthetic model's random weights close (one bounded integer)
 TOOL = {"type": "function", "function": {"name": "get", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["x"], "additionalProperties": False}}}
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required",

@@ -9,17 +9,14 @@ import openai
 import pytest
 
 from calexec.drivers.serving import byte_tokenizer as tokenizer
-from test_server_support import MODEL, openai_server, oracle_tokens
+from test_server_support import (
+    MODEL,
+    oracle_tokens,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+)
 
-TIMEOUT_S = 10.0
 PROMPT = "hello"
 MESSAGES = [{"role": "user", "content": PROMPT}]
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
 
 
 def _greedy(n: int, chat: bool) -> list[int]:

@@ -11,7 +11,12 @@ import pytest
 import needs
 from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
 from calexec.drivers.serving import grammar
-from test_server_support import MODEL, openai_server
+from test_server_support import (
+    MODEL,
+    openai_server,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+    streamed_chat,
+)
 
 TIMEOUT_S = 10.0
 
@@ -21,29 +26,6 @@ TOOL = {"type": "function", "function": {"name": "get", "parameters": {
 MESSAGES = [{"role": "user", "content": "hi"}]
 #: the call's opening as the grammar writes it, one token a byte (the byte-level tokenizer)
 OPENING = '<tool_call>\n{"name":"get","arguments":'
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
-
-
-def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | None]:
-    """``(content, [(name, arguments)], finish_reason)`` of a chat stream's deltas joined."""
-    content: str | None = None
-    calls: dict[int, list[str]] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            if choice.delta.content:
-                content = (content or "") + choice.delta.content
-            for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(call.index, ["", ""])
-                entry[0] += (call.function.name or "") if call.function else ""
-                entry[1] += (call.function.arguments or "") if call.function else ""
-            finish = choice.finish_reason or finish
-    return content, [tuple(calls[k]) for k in sorted(calls)], finish
 
 
 @pytest.mark.parametrize("cut", [12, 16, len(OPENING) - 1])
@@ -64,7 +46,7 @@ def test_a_tool_call_cut_in_its_opening_is_no_content_whole_as_streamed(
     assert whole.finish_reason == "length"
     assert whole.message.tool_calls is None
     assert whole.message.content is None, whole.message.content
-    assert _streamed(client, **kwargs) == (None, [], "length")
+    assert streamed_chat(client, **kwargs) == (None, [], "length")
 
 
 @pytest.mark.parametrize(("text", "content"), [
@@ -104,7 +86,7 @@ def test_a_forced_call_cut_in_its_arguments_is_the_call_whole_as_streamed(
     kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": tool_choice,
               "max_tokens": markup + into, "temperature": 0}
     whole = client.chat.completions.create(**kwargs).choices[0]
-    streamed = _streamed(client, **kwargs)
+    streamed = streamed_chat(client, **kwargs)
     calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
     assert (whole.message.content, calls, whole.finish_reason) == streamed
     assert whole.message.content is None and whole.finish_reason == "length"

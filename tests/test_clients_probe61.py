@@ -10,9 +10,11 @@ import openai
 import pytest
 
 import needs
-from test_server_support import MODEL, openai_server
+from test_server_support import (
+    MODEL,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+)
 
-TIMEOUT_S = 10.0
 MESSAGES = [{"role": "user", "content": "Is it raining?"}]
 #: a classification as a structured output: which of two answers, and how sure
 SCHEMA = {"type": "object", "properties": {
@@ -24,12 +26,6 @@ RESPONSE_FORMAT = {"type": "json_schema",
 TOOL = {"type": "function", "function": {"name": "verdict", "parameters": SCHEMA,
                                          "strict": True}}
 NAMED = {"type": "function", "function": {"name": "verdict"}}
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
 
 
 def _whole(client: openai.OpenAI, **kwargs) -> list:

@@ -9,9 +9,11 @@ import pytest
 
 import needs
 from calexec.drivers.serving import grammar
-from test_server_support import MODEL, openai_server
-
-TIMEOUT_S = 10.0
+from test_server_support import (
+    MODEL,
+    sdk_client_fixture,  # noqa: F401 - the fixture ``client``
+    streamed_chat,
+)
 
 TOOL = {"type": "function", "function": {"name": "get", "parameters": {
     "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -22,29 +24,6 @@ TWICE = {"type": "function", "function": {"name": "f", "parameters": {
 MESSAGES = [{"role": "user", "content": "hi"}]
 #: a call's opening tag, one token a byte (the byte-level tokenizer)
 TAG = grammar.CALL_OPEN
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (_, sdk, _):
-        yield sdk
-
-
-def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | None]:
-    """``(content, [(name, arguments)], finish_reason)`` of a chat stream's deltas joined."""
-    content: str | None = None
-    calls: dict[int, list[str]] = {}
-    finish = None
-    for chunk in client.chat.completions.create(**kwargs, stream=True):
-        for choice in chunk.choices:
-            if choice.delta.content:
-                content = (content or "") + choice.delta.content
-            for call in choice.delta.tool_calls or ():
-                entry = calls.setdefault(call.index, ["", ""])
-                entry[0] += (call.function.name or "") if call.function else ""
-                entry[1] += (call.function.arguments or "") if call.function else ""
-            finish = choice.finish_reason or finish
-    return content, [tuple(calls[k]) for k in sorted(calls)], finish
 
 
 def _whole(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | None]:
@@ -66,7 +45,7 @@ def test_a_required_call_cut_inside_its_tag_is_no_content_whole_as_streamed(
     kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
               "max_tokens": cut, "temperature": 0}
     assert _whole(client, **kwargs) == (None, [], "length")
-    assert _streamed(client, **kwargs) == (None, [], "length")
+    assert streamed_chat(client, **kwargs) == (None, [], "length")
 
 
 @pytest.mark.parametrize("into", [1, 4, len(TAG) - 1])
@@ -86,7 +65,7 @@ def test_a_second_call_cut_inside_its_tag_leaves_the_first_and_no_content(
     first = len(f'{TAG}\n{{"name":"f","arguments":{calls[0][1]}}}\n{grammar.CALL_CLOSE}\n')
     kwargs = {**base, "max_tokens": first + into}
     assert _whole(client, **kwargs) == (None, [calls[0]], "length")
-    assert _streamed(client, **kwargs) == (None, [calls[0]], "length")
+    assert streamed_chat(client, **kwargs) == (None, [calls[0]], "length")
 
 
 @pytest.mark.parametrize(("text", "forced", "content"), [
@@ -266,4 +245,4 @@ def test_a_stop_string_in_a_required_call_ends_it_alike_whole_and_streamed(
               "max_tokens": 120, "temperature": 0, "stop": [stop]}
     whole = _whole(client, **kwargs)
     assert whole == (None, [("f", arguments)], finish)
-    assert _streamed(client, **kwargs) == whole
+    assert streamed_chat(client, **kwargs) == whole

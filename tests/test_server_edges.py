@@ -13,17 +13,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import started_executor
+from test_server_support import (
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
+    started_executor,
+)
 
 TOKEN = "edges-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
 
 
 @pytest.fixture

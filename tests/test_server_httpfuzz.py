@@ -13,24 +13,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import started_executor
+from test_server_support import (
+    admin_test_client,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
+)
 
 TOKEN = "httpfuzz-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DEEP = "[" * 3000 + "]" * 3000  # valid JSON, nested past Python's recursion limit
 
 
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
-
-
 @pytest.fixture
 def client(executor):
-    app = create_app(executor, ServerConfig(admin_token=TOKEN))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with admin_test_client(executor, TOKEN) as client:
         yield client
 
 

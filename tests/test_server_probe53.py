@@ -11,18 +11,11 @@ import pytest
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     ServeLikeServer,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
     responses,
     send_raw,
     split_head,
-    started_executor,
 )
-
-
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
 
 
 @pytest.fixture(scope="module")

@@ -20,18 +20,10 @@ from test_server_support import (
     MODEL,
     ServeLikeServer,
     draining_with_a_stream,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
     sent_with_and_without_expect,
     split_head,
-    started_executor,
 )
-
-
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
-
 
 TOKEN = "probe54-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

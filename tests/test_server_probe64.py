@@ -12,13 +12,14 @@ import threading
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor
 from test_ops_sweep import serve_process, stopped
 from test_server_support import (
     ServeLikeServer,
+    admin_test_client,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
     read_until_closed,
     server_idle,
     split_head,
@@ -32,17 +33,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HUGE = "9" * 5000
 
 
-@pytest.fixture(scope="module")
-def executor(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    yield executor
-    executor.shutdown(5.0)
-
-
 @pytest.fixture
 def client(executor):
-    app = create_app(executor, ServerConfig(admin_token=TOKEN))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with admin_test_client(executor, TOKEN) as client:
         yield client
 
 
@@ -158,6 +151,38 @@ def test_a_reload_while_another_has_not_moved_the_lifecycle_yet_is_refused(tmp_p
         executor.shutdown(5.0)
 
 
+def _body_cut_by_sigterm(tmp_path, route: str, head: bytes, *serve_args: str
+                         ) -> tuple[bytes, str, int, str]:
+    """A ``calexec serve`` process (``serve_args``) and one loopback connection: a whole
+    ``GET /health`` first (the connection is the server's before the partial request), then
+    ``POST route`` with ``head``'s extra header lines and all of its body but 4 bytes, then
+    SIGTERM. What came back until the server closed, how (``read_until_closed``), and the
+    process's exit code and stderr (``stopped``); the process is killed if it is still up."""
+    proc, url = serve_process(tmp_path, *serve_args)
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while b"}" not in answer:  # (the /health answer is one JSON object)
+                chunk = sock.recv(4096)
+                assert chunk, f"the connection closed after {answer!r}"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            sock.sendall(f"POST {route} HTTP/1.1\r\nhost: x\r\n".encode() + head
+                         + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                         % len(body) + body[:-4])
+            proc.send_signal(signal.SIGTERM)
+            data, how = read_until_closed(sock)
+        code, stderr = stopped(proc)
+        return data, how, code, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+
+
 @pytest.mark.parametrize("route, head", [
     ("/v1/completions", b""),
     ("/admin/reload", b"authorization: Bearer " + TOKEN.encode() + b"\r\n"),
@@ -174,41 +199,20 @@ def test_a_client_still_sending_its_body_when_a_drain_ends_gets_the_draining_503
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    proc, url = serve_process(tmp_path, "--grace", "1", "--admin-token-file", str(token))
-    port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            # one whole request first: the connection is the server's before the partial one
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-            answer = b""
-            while b"}" not in answer:  # (the /health answer is one JSON object)
-                chunk = sock.recv(4096)
-                assert chunk, f"the connection closed after {answer!r}"
-                answer += chunk
-            assert answer.startswith(b"HTTP/1.1 200 "), answer
-            sock.sendall(f"POST {route} HTTP/1.1\r\nhost: x\r\n".encode() + head
-                         + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                         % len(body) + body[:-4])
-            proc.send_signal(signal.SIGTERM)
-            data, how = read_until_closed(sock)
-        code, stderr = stopped(proc)
-        status, headers, rest = split_head(data)
-        assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
-        assert headers["content-type"] == "application/json" and headers["x-request-id"], headers
-        assert headers["retry-after"] and headers["connection"] == "close", headers
-        error = json.loads(rest)["error"]
-        assert error["code"] == "lifecycle.unavailable", error
-        assert error["message"].startswith("server drained: no admitted request was left "
-                                           "running, and it stopped waiting, before the "
-                                           "request's body arrived whole"), error
-        assert how == "eof", how
-        assert code == 0, stderr[-3000:]
-        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, route, head, "--grace", "1",
+                                                   "--admin-token-file", str(token))
+    status, headers, rest = split_head(data)
+    assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
+    assert headers["content-type"] == "application/json" and headers["x-request-id"], headers
+    assert headers["retry-after"] and headers["connection"] == "close", headers
+    error = json.loads(rest)["error"]
+    assert error["code"] == "lifecycle.unavailable", error
+    assert error["message"].startswith("server drained: no admitted request was left "
+                                       "running, and it stopped waiting, before the "
+                                       "request's body arrived whole"), error
+    assert how == "eof", how
+    assert code == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
 
 
 def test_a_body_a_drain_cut_before_its_grace_was_over_is_not_told_the_grace_ran_out(tmp_path):
@@ -216,30 +220,11 @@ def test_a_body_a_drain_cut_before_its_grace_was_over_is_not_told_the_grace_ran_
     stopped waiting for requests, also at once with none admitted: ``--grace 30``, the body's
     client was told the 30 s had run out a moment after SIGTERM. It says why the drain
     stopped waiting: no admitted request left (the grace's end says the grace)."""
-    proc, url = serve_process(tmp_path, "--grace", "30")
-    port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
-            answer = b""
-            while b"}" not in answer:  # (the /health answer is one JSON object)
-                chunk = sock.recv(4096)
-                assert chunk, f"the connection closed after {answer!r}"
-                answer += chunk
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
-                         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                         % len(body) + body[:-4])
-            proc.send_signal(signal.SIGTERM)
-            data, how = read_until_closed(sock)
-        code, stderr = stopped(proc)
-        status, _, rest = split_head(data)
-        assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
-        message = json.loads(rest)["error"]["message"]
-        assert "grace" not in message, message
-        assert "no admitted request was left running" in message, message
-        assert code == 0, stderr[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, "/v1/completions", b"",
+                                                   "--grace", "30")
+    status, _, rest = split_head(data)
+    assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
+    message = json.loads(rest)["error"]["message"]
+    assert "grace" not in message, message
+    assert "no admitted request was left running" in message, message
+    assert code == 0, stderr[-3000:]

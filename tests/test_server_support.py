@@ -91,6 +91,59 @@ def live_fixture(tmp_path_factory) -> Iterator[tuple]:
         yield served
 
 
+#: the official ``openai`` client's timeout (seconds) of ``sdk_client_fixture``
+SDK_TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module", name="client")
+def sdk_client_fixture(tmp_path_factory) -> Iterator:
+    """The fixture ``client``: the official ``openai`` client of an ``openai_server`` for a
+    whole test module (timeout ``SDK_TIMEOUT_S``, no retries). Imported as ``live_fixture``
+    is (``from test_server_support import sdk_client_fixture``)."""
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=SDK_TIMEOUT_S) as (_, sdk, _):
+        yield sdk
+
+
+def streamed_chat(client, **kwargs) -> tuple[str | None, list, str | None]:
+    """``(content, [(name, arguments)], finish_reason)`` of a chat stream's deltas joined
+    (``client``: an official ``openai`` client; ``kwargs``: the request's)."""
+    content: str | None = None
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                content = (content or "") + choice.delta.content
+            for call in choice.delta.tool_calls or ():
+                entry = calls.setdefault(call.index, ["", ""])
+                entry[0] += (call.function.name or "") if call.function else ""
+                entry[1] += (call.function.arguments or "") if call.function else ""
+            finish = choice.finish_reason or finish
+    return content, [tuple(calls[k]) for k in sorted(calls)], finish
+
+
+@pytest.fixture(scope="module", name="executor")
+def executor_fixture(tmp_path_factory) -> Iterator[DeviceExecutor]:
+    """The fixture ``executor``: ``started_executor`` for a whole test module, shut down
+    (bounded) after it. Imported as ``live_fixture`` is."""
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@contextlib.contextmanager
+def admin_test_client(executor: DeviceExecutor, token: str) -> Iterator:
+    """A ``TestClient`` of ``create_app(executor)`` with admin token ``token``, its server
+    exceptions answered, not raised (a 500 is what a client saw)."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    app = create_app(executor, ServerConfig(admin_token=token))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
 def oracle_tokens(prompt: list[int], n: int, seed: int = calbin.DEFAULT_SEED) -> list[int]:
     """The greedy continuation of ``prompt`` (n tokens) by the numpy oracle."""
     seq = oracle.OracleSequence(seed)
