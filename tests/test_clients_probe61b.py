@@ -17,7 +17,7 @@ import pytest
 
 import needs
 from calexec.drivers.serving.grammar import closed_schema
-from test_server_support import MODEL, openai_server
+from test_server_support import MODEL, openai_server, structured_answer
 
 TIMEOUT_S = 10.0
 #: an object schema as a client writes it: declared properties, nothing said of others
@@ -36,25 +36,6 @@ def served(tmp_path_factory):
         yield server, sdk
 
 
-def _answer(sdk: openai.OpenAI, prompt: str, schema: dict, how: str) -> tuple[str, str]:
-    """(the JSON text answered, finish_reason) of ``schema`` as a ``response_format`` or as
-    the parameters of a named tool's call."""
-    messages = [{"role": "user", "content": prompt}]
-    if how == "response_format":
-        answer = sdk.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=120,
-            response_format={"type": "json_schema", "json_schema": {"name": "p",
-                                                                    "schema": schema}})
-        return answer.choices[0].message.content, answer.choices[0].finish_reason
-    answer = sdk.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=120,
-        tools=[{"type": "function", "function": {"name": "p", "parameters": schema}}],
-        tool_choice={"type": "function", "function": {"name": "p"}})
-    calls = answer.choices[0].message.tool_calls
-    assert calls and len(calls) == 1, answer
-    return calls[0].function.arguments, answer.choices[0].finish_reason
-
-
 @pytest.mark.parametrize("prompt,schema", [
     pytest.param("hi", AGE, id="age"),
     pytest.param("hi", PERSON, id="person"),
@@ -70,7 +51,7 @@ def test_an_object_schema_that_says_nothing_of_other_keys_gets_none(served, prom
     ``max_tokens``: ``"length"``, not JSON)."""
     needs.module("llguidance", "server")
     _, sdk = served
-    text, finish = _answer(sdk, prompt, schema, how)
+    text, finish = structured_answer(sdk, schema, how, prompt)
     assert finish == "stop", text
     value = json.loads(text)
     assert set(value) == set(schema["required"]), text
@@ -107,7 +88,7 @@ def test_unevaluated_properties_false_closes_an_object(served):
     _, sdk = served
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
               "unevaluatedProperties": False}
-    text, finish = _answer(sdk, "hi", schema, "named_tool")
+    text, finish = structured_answer(sdk, schema, "named_tool")
     assert (json.loads(text), finish) == ({"a": False}, "stop"), text
 
 
@@ -120,7 +101,7 @@ def test_a_tuple_without_items_gets_no_item_past_it(served):
         "type": "array", "prefixItems": [{"type": "boolean"}, {"enum": ["x", "y"]}]}},
         "required": ["t"]}
     for how in ("response_format", "named_tool"):
-        text, finish = _answer(sdk, "hi", schema, how)
+        text, finish = structured_answer(sdk, schema, how)
         value = json.loads(text)
         assert len(value["t"]) <= 2 and finish == "stop", text
 
@@ -131,7 +112,7 @@ def test_an_object_that_says_it_is_open_stays_open(served):
     properties (``json_object``) is any object."""
     needs.module("llguidance", "server")
     _, sdk = served
-    text, _ = _answer(sdk, "hi", {**AGE, "additionalProperties": True}, "response_format")
+    text, _ = structured_answer(sdk, {**AGE, "additionalProperties": True}, "response_format")
     assert text.startswith('{"age":48,"'), text
 
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import copy
 import json
 
-import openai
 import pytest
 
 import needs
 from calexec.drivers.serving.grammar import closed_schema
-from test_server_support import MODEL, openai_server
+from test_server_support import MODEL, openai_server, structured_answer
 
 TIMEOUT_S = 10.0
 PET = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
@@ -30,25 +29,6 @@ def served(tmp_path_factory):
         yield server, sdk
 
 
-def _answer(sdk: openai.OpenAI, schema: dict, how: str, prompt: str = "hi") -> tuple[str, str]:
-    """(the JSON text answered, finish_reason) of ``schema`` as a ``response_format`` or as
-    the parameters of a named tool's call."""
-    messages = [{"role": "user", "content": prompt}]
-    if how == "response_format":
-        answer = sdk.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=120,
-            response_format={"type": "json_schema", "json_schema": {"name": "p",
-                                                                    "schema": schema}})
-        return answer.choices[0].message.content, answer.choices[0].finish_reason
-    answer = sdk.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=120,
-        tools=[{"type": "function", "function": {"name": "p", "parameters": schema}}],
-        tool_choice={"type": "function", "function": {"name": "p"}})
-    calls = answer.choices[0].message.tool_calls
-    assert calls and len(calls) == 1, answer
-    return calls[0].function.arguments, answer.choices[0].finish_reason
-
-
 @pytest.mark.parametrize("how", ["response_format", "named_tool"])
 @pytest.mark.parametrize("prompt", ["hi", "Invent a dog."])
 def test_an_allof_inheriting_a_referenced_object_is_answered_with_both_members_keys(
@@ -59,7 +39,7 @@ def test_an_allof_inheriting_a_referenced_object_is_answered_with_both_members_k
     'bark'``. Now the answer is a Dog, its name and its bark, nothing else."""
     needs.module("llguidance", "server")
     _, sdk = served
-    text, finish = _answer(sdk, DOG, how, prompt)
+    text, finish = structured_answer(sdk, DOG, how, prompt)
     assert finish == "stop", text
     value = json.loads(text)
     assert set(value) == {"name", "bark"} and isinstance(value["bark"], bool), text
@@ -74,7 +54,7 @@ def test_an_allof_of_inline_objects_is_closed_at_its_parent(served, how, prompt)
     members declare and no others."""
     needs.module("llguidance", "server")
     _, sdk = served
-    text, finish = _answer(sdk, {"allOf": [PET, BARK]}, how, prompt)
+    text, finish = structured_answer(sdk, {"allOf": [PET, BARK]}, how, prompt)
     assert finish == "stop", text
     assert set(json.loads(text)) == {"name", "bark"}, text
 
@@ -92,7 +72,7 @@ def test_an_inheritance_chain_of_references_is_closed_at_the_end(served, how):
                                                                   "minimum": 0,
                                                                   "maximum": 20}},
                          "required": ["age"]}]}
-    text, finish = _answer(sdk, schema, how)
+    text, finish = structured_answer(sdk, schema, how)
     assert finish == "stop", text
     assert set(json.loads(text)) == {"name", "bark", "age"}, text
 
@@ -130,7 +110,7 @@ def test_a_property_referencing_a_definition_still_gets_it_closed(served):
               "allOf": [{"$ref": "#/$defs/Pet"},
                         {"type": "object", "properties": {"friend": {"$ref": "#/$defs/Pet"}},
                          "required": ["friend"]}]}
-    text, finish = _answer(sdk, schema, "response_format")
+    text, finish = structured_answer(sdk, schema, "response_format")
     value = json.loads(text)
     assert finish == "stop" and set(value) == {"name", "friend"}, text
     assert set(value["friend"]) == {"name"}, text
@@ -146,7 +126,7 @@ def test_anyof_members_are_each_closed(served):
                   key: [{"allOf": [{"$ref": "#/$defs/Pet"}, BARK]},
                         {"type": "object", "properties": {"meow": {"type": "boolean"}},
                          "required": ["meow"]}]}
-        text, finish = _answer(sdk, schema, "response_format")
+        text, finish = structured_answer(sdk, schema, "response_format")
         assert finish == "stop", text
         assert set(json.loads(text)) in ({"name", "bark"}, {"meow"}), text
 
@@ -156,8 +136,8 @@ def test_an_allof_whose_member_says_it_is_open_stays_open(served):
     parent open (the greedy model adds a key after the declared ones)."""
     needs.module("llguidance", "server")
     _, sdk = served
-    text, _ = _answer(sdk, {"allOf": [{**BARK, "additionalProperties": True}]},
-                      "response_format")
+    text, _ = structured_answer(sdk, {"allOf": [{**BARK, "additionalProperties": True}]},
+                                "response_format")
     assert text.startswith('{"bark":false,"'), text
 
 

@@ -19,6 +19,7 @@ from test_server_support import (
     metric_value,
     openai_server,
     send_raw,
+    serve_like_fixture,  # noqa: F401 - the fixture ``serve_like``
     split_head,
     started_executor,
     wait_for,
@@ -88,19 +89,6 @@ def test_a_504_met_while_the_model_switches_stays_retryable(tmp_path):
     assert answer.status_code == 504, answer.text
     assert answer.json()["error"]["code"] == "admission.deadline"
     assert "x-should-retry" not in answer.headers
-
-
-@pytest.fixture(scope="module")
-def serve_like(tmp_path_factory):
-    """The app on the uvicorn configuration ``calexec serve`` runs (its HTTP protocol)."""
-    from calexec.drivers.serving.server import create_app
-
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    try:
-        with ServeLikeServer(create_app(executor)) as server:
-            yield server
-    finally:
-        executor.shutdown(5.0)
 
 
 BODY = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()

@@ -13,23 +13,11 @@ from test_server_support import (
     ServeLikeServer,
     responses,
     send_raw,
+    serve_like_fixture,  # noqa: F401 - the fixture ``serve_like``
     started_executor,
 )
 
 TIMEOUT_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def serve_like(tmp_path_factory):
-    """The app on the uvicorn configuration ``calexec serve`` runs (its HTTP protocol)."""
-    from calexec.drivers.serving.server import create_app
-
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    try:
-        with ServeLikeServer(create_app(executor)) as server:
-            yield server
-    finally:
-        executor.shutdown(5.0)
 
 
 def _answers(port: int, raw: bytes) -> tuple[list, str]:

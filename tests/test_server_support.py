@@ -144,6 +144,26 @@ def admin_test_client(executor: DeviceExecutor, token: str) -> Iterator:
         yield client
 
 
+def structured_answer(sdk, schema: dict, how: str, prompt: str = "hi") -> tuple[str, str]:
+    """(the JSON text answered, finish_reason) of ``schema`` as a ``response_format``
+    (``how``: "response_format") or as the parameters of a named tool's call (any other
+    ``how``), asked of the official ``openai`` client ``sdk`` with ``prompt``."""
+    messages = [{"role": "user", "content": prompt}]
+    if how == "response_format":
+        answer = sdk.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                    "schema": schema}})
+        return answer.choices[0].message.content, answer.choices[0].finish_reason
+    answer = sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=120,
+        tools=[{"type": "function", "function": {"name": "p", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "p"}})
+    calls = answer.choices[0].message.tool_calls
+    assert calls and len(calls) == 1, answer
+    return calls[0].function.arguments, answer.choices[0].finish_reason
+
+
 def oracle_tokens(prompt: list[int], n: int, seed: int = calbin.DEFAULT_SEED) -> list[int]:
     """The greedy continuation of ``prompt`` (n tokens) by the numpy oracle."""
     seq = oracle.OracleSequence(seed)
@@ -264,6 +284,21 @@ class ServeLikeServer(LiveServer):
                                                     access_log=False, **extra))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]},
                                        name="uvicorn-serve", daemon=True)
+
+
+@pytest.fixture(scope="module", name="serve_like")
+def serve_like_fixture(tmp_path_factory) -> Iterator[ServeLikeServer]:
+    """The fixture ``serve_like``: the app of ``started_executor`` on the uvicorn
+    configuration ``calexec serve`` runs (its HTTP protocol, ``ServeLikeServer``) for a whole
+    test module. Imported as ``live_fixture`` is."""
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with ServeLikeServer(create_app(executor)) as server:
+            yield server
+    finally:
+        executor.shutdown(5.0)
 
 
 def stalled_client(port: int, body: dict, path: str = "/v1/completions") -> socket.socket:
