@@ -151,16 +151,15 @@ def test_a_reload_while_another_has_not_moved_the_lifecycle_yet_is_refused(tmp_p
         executor.shutdown(5.0)
 
 
-def _body_cut_by_sigterm(tmp_path, route: str, head: bytes, *serve_args: str
+def _body_cut_by_sigterm(tmp_path, route: str, head: bytes, body: bytes, *serve_args: str
                          ) -> tuple[bytes, str, int, str]:
     """A ``calexec serve`` process (``serve_args``) and one loopback connection: a whole
     ``GET /health`` first (the connection is the server's before the partial request), then
-    ``POST route`` with ``head``'s extra header lines and all of its body but 4 bytes, then
+    ``POST route`` with ``head``'s extra header lines and all of ``body`` but 4 bytes, then
     SIGTERM. What came back until the server closed, how (``read_until_closed``), and the
     process's exit code and stderr (``stopped``); the process is killed if it is still up."""
     proc, url = serve_process(tmp_path, *serve_args)
     port = int(url.rsplit(":", 1)[1])
-    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -199,7 +198,8 @@ def test_a_client_still_sending_its_body_when_a_drain_ends_gets_the_draining_503
     token = tmp_path / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, route, head, "--grace", "1",
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, route, head, body, "--grace", "1",
                                                    "--admin-token-file", str(token))
     status, headers, rest = split_head(data)
     assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
@@ -220,7 +220,8 @@ def test_a_body_a_drain_cut_before_its_grace_was_over_is_not_told_the_grace_ran_
     stopped waiting for requests, also at once with none admitted: ``--grace 30``, the body's
     client was told the 30 s had run out a moment after SIGTERM. It says why the drain
     stopped waiting: no admitted request left (the grace's end says the grace)."""
-    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, "/v1/completions", b"",
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+    data, how, code, stderr = _body_cut_by_sigterm(tmp_path, "/v1/completions", b"", body,
                                                    "--grace", "30")
     status, _, rest = split_head(data)
     assert status == b"HTTP/1.1 503 Service Unavailable", (data[:400], how)
