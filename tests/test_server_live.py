@@ -24,6 +24,7 @@ from test_server_support import (
     oracle_tokens,
     started_executor,
     wait_for,
+    wait_serve_ready,
 )
 
 
@@ -97,13 +98,7 @@ def test_sigterm_drains_a_serve_subprocess(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ}, cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                return False
-        wait_for(up, timeout=30, what="calexec serve to become ready")
+        wait_serve_ready(proc, url)
         events: list[str] = []
         first = threading.Event()
 

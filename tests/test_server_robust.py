@@ -18,7 +18,14 @@ from fastapi.testclient import TestClient
 from calexec.drivers.calrt.runtime import Stage
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin as cb
-from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor, wait_for
+from test_server_support import (
+    LiveServer,
+    metric_value,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+    wait_serve_ready,
+)
 
 TOKEN = "robust-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -521,13 +528,7 @@ def test_sigterm_after_a_refused_reload_under_load_exits_0(tmp_path, unpinned):
          "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         cwd=tmp_path)
     try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                return False
-        wait_for(up, timeout=30, what="calexec serve to become ready")
+        wait_serve_ready(proc, url)
         streams: list[list[str]] = []
         stop = threading.Event()
 

@@ -34,6 +34,7 @@ from test_server_support import (
     stalled_client,
     started_executor,
     wait_for,
+    wait_serve_ready,
 )
 
 TOKEN = "stalled-admin-token"
@@ -204,13 +205,7 @@ def test_sigterm_with_a_client_that_stops_reading_exits_0_within_the_grace(tmp_p
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
     sock = None
     try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                return False
-        wait_for(up, timeout=30, what="calexec serve to become ready")
+        wait_serve_ready(proc, url)
         sock = stalled_client(port, {**BODY, "timeout": 60})
 
         def running() -> bool:

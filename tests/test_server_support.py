@@ -200,6 +200,21 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
+def wait_serve_ready(proc, url: str, timeout: float = 30.0) -> None:
+    """Poll ``url``'s ``/ready`` (bounded by ``timeout``) until it answers 200, for a
+    ``calexec serve`` subprocess ``proc`` (``stderr`` piped): its stderr in the assertion if
+    it exited first."""
+    import httpx
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            return False
+    wait_for(up, timeout=timeout, what="calexec serve to become ready")
+
+
 def server_idle(service) -> bool:
     return (service.active == 0 and service.sequences.in_use == 0
             and service.releases_pending == 0)
