@@ -507,13 +507,18 @@ def metadata_refusal(metadata: dict[str, str] | None) -> None:
 def refusal(body: _Body) -> None:
     """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
     metadata_refusal(getattr(body, "metadata", None))
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and (type(best_of) is not int or best_of < 1):
+        # (REFUSED's "best_of > 1 is not supported" is untrue of 0, -3, true or "2")
+        raise Refusal(invalid(f"best_of={shown(best_of, 80)}: must be an integer >= 1 or "
+                              "null, and best_of > 1 is not supported: send 1 or leave it "
+                              "out"), "best_of")
     for name, neutral, why in _refused_fields(type(body)):
         if not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)
     if body.n < 1:
         raise Refusal(invalid(f"n={shown(body.n)}: must be >= 1"), "n")
-    best_of = getattr(body, "best_of", None)  # here null or 1 (REFUSED took any other)
-    if best_of is not None and best_of < body.n:
+    if best_of is not None and best_of < body.n:  # here null or 1 (REFUSED took any other)
         # OpenAI and vLLM refuse it ("best_of must be greater than or equal to n"); served,
         # the answer had n choices where the client asked for the best of one
         raise Refusal(invalid(f"best_of={shown(best_of)} < n={shown(body.n)}: best_of must be >= n (or "

@@ -1,0 +1,39 @@
+"""Adversarial HTTP input found by probing a loopback ``calexec serve`` at stop 65 (branch
+probe-http): a refused parameter's message that contradicts the value it refuses. Real
+executor on the bundled emulator."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("probe65"))
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            yield client
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("value, shown", [(0, "0"), (-3, "-3"), (True, "true"), (1.5, "1.5"),
+                                          ("2", '"2"')])
+def test_a_best_of_below_one_or_of_no_integer_is_not_told_best_of_above_one(client, value,
+                                                                            shown):
+    """``best_of: 0`` (or -3, ``true``, 1.5, ``"2"``) was refused ``best_of=0: best_of > 1 is
+    not supported``: untrue of the value sent, and no word of what to send. It now says what
+    ``best_of`` must be and what to send; ``best_of: 3`` keeps its answer."""
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1,
+                                             "best_of": value})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "best_of", error
+    assert error["message"].startswith(f"best_of={shown}: must be an integer >= 1"), error
+    assert "send 1 or leave it out" in error["message"], error
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "best_of": 3})
+    assert r.json()["error"]["message"] == "best_of=3: best_of > 1 is not supported"
