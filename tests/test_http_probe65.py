@@ -37,3 +37,21 @@ def test_a_best_of_below_one_or_of_no_integer_is_not_told_best_of_above_one(clie
     assert "send 1 or leave it out" in error["message"], error
     r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "best_of": 3})
     assert r.json()["error"]["message"] == "best_of=3: best_of > 1 is not supported"
+
+
+@pytest.mark.parametrize("route, base", [
+    ("/v1/completions", {"prompt": [1, 2]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_two_logit_bias_keys_naming_one_token_are_refused(client, route, base):
+    """``"logit_bias": {"7": 60, "07": 60}`` names token 7 twice (JSON keeps both keys); both
+    biases were added to its logit, 120 where a bias is at most 100, and the answer was a
+    200. It is a 400 naming both keys and the token now; ``{"7": 60}`` alone is served."""
+    body = {**base, "max_tokens": 1, "logit_bias": {"7": 60, "07": 60}}
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias", error
+    assert error["message"] == ('logit_bias["07"] and logit_bias["7"] both name token 7: give '
+                                "each token once"), error
+    assert client.post(route, json={**body, "logit_bias": {"7": 60}}).status_code == 200

@@ -573,6 +573,7 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
     """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
     each in ``[0, vocab)``."""
     pairs = []
+    keys: dict[int, str] = {}  # token id -> the key that named it
     for key, value in (bias or {}).items():
         # at most 18 ASCII digits: "²".isdigit() holds and int() raises on more than 4300
         token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None
@@ -580,6 +581,11 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
             raise Refusal(invalid(f"logit_bias[{shown(key, 40)}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
                           "logit_bias")
+        if token in keys:  # ("1" and "01": both biases were added, past [-100, 100])
+            raise Refusal(invalid(f"logit_bias[{shown(key, 40)}] and "
+                                  f"logit_bias[{shown(keys[token], 40)}] both name token "
+                                  f"{token}: give each token once"), "logit_bias")
+        keys[token] = key
         pairs.append((token, as_float(value)))
     return tuple(pairs)
 
