@@ -55,3 +55,26 @@ def test_two_logit_bias_keys_naming_one_token_are_refused(client, route, base):
     assert error["message"] == ('logit_bias["07"] and logit_bias["7"] both name token 7: give '
                                 "each token once"), error
     assert client.post(route, json={**body, "logit_bias": {"7": 60}}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, field, value", [
+    ("/v1/completions?stream=true", {"prompt": [1, 2], "max_tokens": 2}, "stream", '"true"'),
+    ("/v1/chat/completions?max_tokens=1",
+     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, "max_tokens", '"1"'),
+    ("/v1/responses?stream=true", {"input": "hi", "max_output_tokens": 2}, "stream", '"true"'),
+    ("/tokenize?add_special_tokens=false", {"prompt": "hi"}, "add_special_tokens", '"false"'),
+])
+def test_a_body_field_given_in_the_query_is_refused_naming_it(client, path, body, field, value):
+    """``POST /v1/completions?stream=true`` was answered a whole JSON answer, the query
+    unread and unsaid (every other parameter the server does not honour is refused, named).
+    A body field given in the query is a 400 naming it and where to send it; a query
+    parameter no body field is named so (an Azure client's ``api-version``) is still
+    ignored."""
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field, error
+    assert error["message"] == (f"{field}={value}: given in the query, which this route does "
+                                f"not read; send {field} in the JSON body"), error
+    route = path.split("?")[0]
+    assert client.post(f"{route}?api-version=2024-06-01", json=body).status_code == 200

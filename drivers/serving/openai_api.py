@@ -695,6 +695,20 @@ def auth_refusal(request: Request, api_key: str | None) -> Refusal | None:
                    None, 401)
 
 
+def query_field_refusal(request: Request, model: type[Body]) -> Refusal | None:
+    """The 400 of a field of ``model``'s body given in the query (``POST
+    /v1/completions?stream=true``, ``/tokenize?add_special_tokens=false``): the API's routes
+    read their parameters from the JSON body alone, so it answered as if unsaid (a whole
+    answer where a stream was asked). A query parameter no body field is named so (an Azure
+    client's ``api-version``) is not the body's and is ignored, as OpenAI and vLLM ignore it."""
+    given = sorted(key for key in request.query_params if key in model.model_fields)
+    if not given:
+        return None
+    key = given[0]
+    return Refusal(invalid(f"{key}={shown(request.query_params[key], 64)}: given in the query, "
+                           f"which this route does not read; send {key} in the JSON body"), key)
+
+
 def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
     """404 ``model_not_found`` unless ``name`` is absent or one of the served names."""
     if name is None or name in served:
@@ -1340,6 +1354,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if isinstance(raw, wire.BodyRefusal):  # 499 (nobody reads it), 408, 413: counted
             raise Refusal(raw.status, None, raw.http_status, raw.headers)
         body = parse(model, raw)
+        in_query = query_field_refusal(request, model)
+        if in_query is not None:
+            raise in_query
         not_found = model_refusal(getattr(body, "model", None), served_names())
         if not_found is not None:
             raise not_found
