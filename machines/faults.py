@@ -161,6 +161,12 @@ class FaultController:
         #: ``recovery_under_way`` cannot tell, and a second fault of the same incident
         #: reported meanwhile counted against ``max_recoveries`` as well
         self._requesting = 0
+        #: the jobs whose fault counted a recovery (``faults_mu``; the last 64, by job id): a
+        #: second report of one of them (``device.hung`` after its ``execution.deadline``)
+        #: is the same incident, whatever the lifecycle does meanwhile. A golden job of a
+        #: recovery is reported while Configuring/Warming, where no recovery is "under way":
+        #: both of its reports counted, one hung golden job spending two recoveries
+        self._counted_jobs: deque[int] = deque(maxlen=64)
 
     def attach(self, executor: FaultTarget) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
@@ -181,8 +187,10 @@ class FaultController:
         neither counts against ``max_recoveries`` nor escalates. Each counted as a recovery,
         a single hung job spent two, so ``max_recoveries=5`` ended the lifecycle Failed at
         the third hung job, after two recoveries. ``report`` also passes True while another
-        report's counted decision is still being asked for (not pending yet). A fault of a recovery's golden run
-        (Configuring, Warming) still counts: each golden attempt is one (``_retry_golden``)."""
+        report's counted decision is still being asked for (not pending yet), and for a
+        second report of a job whose first one counted. A fault of a recovery's golden run
+        (Configuring, Warming) still counts: each golden attempt is one (``_retry_golden``),
+        its hung job's ``device.hung`` after its ``execution.deadline`` not a second."""
         now = self._clock.monotonic()
         category = status.category
         if category is None:  # OK: nothing happened
@@ -227,13 +235,17 @@ class FaultController:
             kind = (status.category.value, status.code, status.raw)
             self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
-            under_way = self._requesting > 0 or (target is not None
-                                                 and target.recovery_under_way())
+            job_id = job.job_id if job is not None else status.job_id
+            under_way = (job_id is not None and job_id in self._counted_jobs) \
+                or self._requesting > 0 or (target is not None
+                                            and target.recovery_under_way())
             decision = self.decide(status, under_way)
             requesting = not under_way and decision.action in (
                 Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK)
             if requesting:
                 self._requesting += 1
+                if job_id is not None:
+                    self._counted_jobs.append(job_id)
             self.decisions.append(decision)
             if decision.action is Action.RECORD:
                 self.manifest_differences.append(status)
