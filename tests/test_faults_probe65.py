@@ -3,15 +3,20 @@ run.
 
 A job the device keeps after its Wait failed is reported twice: ``execution.deadline`` at its
 deadline and ``device.hung`` once ``timeout_grace_s`` passed. The second report belongs to the
-incident the first one counted, and counts against no escalation budget (stop 38's fix, for a
+incident the first one counted, and counts against no escalation budget (an earlier fix, for a
 job of a Ready generation). A golden job of a recovery is reported while the lifecycle is
 Configuring/Warming, where no recovery is "under way" for the fault controller: both reports
 counted, so a single hung golden job spent two recoveries of ``RecoveryPolicy.max_recoveries``
-(met under load: seeds 6601-6602 of /tmp probe schedules with a second fault armed for the
-golden run).
+(met under load: test_load48_faults.py's schedules with the native relay and a second fault
+armed for the golden run, seeds 6601-6602), and a switch whose golden job hung went Failed
+where its roll back would have served.
 """
 
 from __future__ import annotations
+
+import shutil
+
+import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
@@ -19,24 +24,36 @@ from calexec.machines.faults import RecoveryPolicy
 from executor_harness import arm, fired, running_executor, write_calbin
 
 
-def test_a_hung_golden_job_spends_one_recovery_of_the_escalation_budget(tmp_path):
-    """``max_recoveries=1``: a recovery whose golden job hangs is refused once (one count)
-    and the next golden attempt serves: Ready. The hung golden job is reported twice
+@pytest.mark.parametrize("how", ["recover", "switch"])
+def test_a_hung_golden_job_spends_one_recovery_of_the_escalation_budget(tmp_path, how):
+    """``max_recoveries=1``: a recovery (or a model switch: ``POST /admin/reload``) whose
+    golden job hangs is refused once (one count); the next golden attempt (the switch's roll
+    back to the calbin that served) serves: Ready. The hung golden job is reported twice
     (``execution.deadline``, then ``device.hung`` after its grace) and both counted, so the
     second report escalated: the lifecycle ended Failed ("escalation: 1 recoveries within
-    60.0s") for one fault."""
+    60.0s", ``calexec serve`` exits 3) for one fault."""
     policy = RecoveryPolicy(drain_grace_s=2.0, max_recoveries=1)
-    with running_executor(write_calbin(tmp_path), recovery=policy, golden_timeout_s=1.0,
+    main = write_calbin(tmp_path)
+    other = str(tmp_path / "other.calbin")
+    shutil.copyfile(main, other)  # the same model at another path
+    with running_executor(main, recovery=policy, golden_timeout_s=1.0,
                           execution_timeout_s=1.0, timeout_grace_s=0.05) as ex:
-        arm(ex, "HANG")  # the next job on the device: the recovery's first golden job
-        status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
-                                           Phase.RECOVERY, "the test's reason"))
+        arm(ex, "HANG")  # the next job on the device: the first golden job
+        if how == "recover":
+            status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
+                                               Phase.RECOVERY, "the test's reason"))
+        else:
+            status = ex.switch_model(other)
         assert fired(ex, "HANG") == 1
-        reports = [(d.status.code, d.status.job_id, d.reason)
-                   for d in ex.faults.decisions]
-        assert status.ok and ex.state == "Ready", (status, ex.state, reports)
+        reports = [(d.status.code, d.status.job_id, d.reason) for d in ex.faults.decisions]
+        assert ex.state == "Ready", (status, ex.state, reports)
         record = ex.recoveries[-1]
-        assert record["ok"] and len(record["refused"]) == 1, record  # the hung golden attempt
+        if how == "recover":
+            assert status.ok and record["ok"], (status, record)
+        else:  # the refused calbin rolled back to the one that served
+            assert status.code == "recovery.rolled_back", status
+            assert ex.gen is not None and ex.gen.calbin_path == main
+        assert len(record["refused"]) == 1, record  # the hung golden attempt
         assert record["to_generation"] == record["from_generation"] + 2, record
         hung = [r for r in reports if r[0] == "device.hung"]
         first = [r for r in reports if r[0] == "execution.deadline"]
