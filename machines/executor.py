@@ -950,6 +950,15 @@ class DeviceExecutor(SequenceOwnership):
             return
         self._relay, self._relay_open = relay, True
         self.dispatch.relay_wake = relay.wake
+        if self.config.inflight_capacity == 2:
+            # Phase B's slots are PING/PONG: their jobs go to infer_with_fixed_task_type,
+            # which the relay never calls (``_relay_eligible``); nothing said so, and
+            # ``serve --native-relay --inflight-capacity 2`` (or a bench's) ran with
+            # ``relay_submitted`` 0 for good, as if the relay had been asked for and used
+            log.info("native_relay with inflight_capacity=2 (Phase B): the submitter waits in "
+                     "the relay, but Phase B's jobs go to infer_with_fixed_task_type, which the "
+                     "relay does not call: none is inferred from it (relay_submitted, "
+                     "calexec_relay_submitted_total, stay 0) while fixed_engine is on")
 
     def _close_relay(self, threads_gone: bool) -> None:
         """``stop_threads``: close the relay; a job fired into it and never given to infer

@@ -14,6 +14,7 @@ where its roll back would have served.
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -21,7 +22,7 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.faults import RecoveryPolicy
-from executor_harness import arm, fired, running_executor, write_calbin
+from executor_harness import arm, deadline, fired, prefill, running_executor, write_calbin
 
 
 @pytest.mark.parametrize("how", ["recover", "switch"])
@@ -60,3 +61,26 @@ def test_a_hung_golden_job_spends_one_recovery_of_the_escalation_budget(tmp_path
         assert len(first) == 1 and "not counted" not in first[0][2], reports
         assert len(hung) == 1 and hung[0][1] == first[0][1], reports
         assert "not counted" in hung[0][2], reports
+
+
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_the_native_relay_in_phase_b_says_it_infers_nothing(tmp_path, caplog, capacity):
+    """``calexec serve --native-relay --inflight-capacity 2`` (and ``bench faults`` / ``bench
+    soak`` with both flags, met at seeds 6641-6642): Phase B's jobs go to
+    ``infer_with_fixed_task_type``, which the relay never calls, so ``relay_submitted`` stayed 0
+    for the whole run with no word that the relay asked for was not used. The executor now says
+    so at start in Phase B (and only there); the jobs it runs meanwhile are not the relay's."""
+    caplog.set_level(logging.INFO, logger="calexec.executor")
+    with running_executor(write_calbin(tmp_path), native_relay=True,
+                          inflight_capacity=capacity) as ex:
+        assert ex.relay_active
+        for seq in (1, 2):
+            status = ex.enqueue(prefill(seq, [5, 6, 7])).wait_until(deadline())
+            assert not isinstance(status, Status), status
+        said = [r.getMessage() for r in caplog.records
+                if "infer_with_fixed_task_type" in r.getMessage()]
+        if capacity == 2:
+            assert ex.snapshot()["relay_submitted"] == 0
+            assert len(said) == 1 and "none is inferred from it" in said[0], said
+        else:
+            assert said == [], said
