@@ -10,6 +10,9 @@ counted, so a single hung golden job spent two recoveries of ``RecoveryPolicy.ma
 (met under load: test_load48_faults.py's schedules with the native relay and a second fault
 armed for the golden run, seeds 6601-6602), and a switch whose golden job hung went Failed
 where its roll back would have served.
+
+And the native relay in Phase B: it infers none of Phase B's jobs (they go to
+``infer_with_fixed_task_type``), which nothing said.
 """
 
 from __future__ import annotations
