@@ -179,6 +179,14 @@ class CompiledChart:
     #: (``error.*``, ``error.``, ``*``): else ``matching`` answers such an event at once
     wildcards: bool = attrs.field(default=False, repr=False)
 
+    def declared_states(self) -> dict[str, Any]:
+        """The chart's python-statemachine ``State`` of each state id (history states not
+        included). Read states by id through this, never through the declaration's
+        ``states_map``: python-statemachine keys that by value, which a state declared with
+        ``value=`` (or from an Enum: ``States.from_enum``) makes differ from the id every tool,
+        configuration and run names it by."""
+        return {str(state.id): state for state in self.declaration.states_map.values()}
+
     def refuse_runs(self, tool: str = "the compiled form") -> None:
         """Raise ``UnsupportedChart`` when no run of this chart can be followed (its own
         async callbacks): what every tool that runs it (``run``, coverage, contracts, the

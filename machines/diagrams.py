@@ -113,7 +113,7 @@ def _state_text(chart: CompiledChart, state_id: str) -> str:
     by the name the chart gives it when it gives one of its own (``rot_ = State("Rot")``:
     ``Rot (rot_)``); python-statemachine's default name (``in_flight`` -> ``In flight``) is
     no name of its own."""
-    state = chart.declaration.states_map.get(state_id) if hasattr(
+    state = chart.declared_states().get(state_id) if hasattr(
         chart.declaration, "states_map") else None
     name = str(getattr(state, "name", "") or "")
     if not name or name == state_id.replace("_", " ").capitalize() or name == state_id:
@@ -315,7 +315,7 @@ def active_configuration(chart: ChartLike, active: str | Iterable[str] | None
     if unknown:
         raise ActiveStatesError(chart.name, chart.states, unknown=unknown)
     chosen = set(names)
-    by_id = chart.declaration.states_map
+    by_id = chart.declared_states()
     lines = {name: _ancestors(by_id[name]) for name in chosen}
     ordered = [name for name in chart.states if name in chosen]
     for i, first in enumerate(ordered):
@@ -341,7 +341,7 @@ def _ancestors(state: Any) -> list[str]:
 def _filled(chart: CompiledChart, active: tuple[str, ...]) -> frozenset[str]:
     """The states of ``active`` drawn filled: the innermost (an ancestor given with a state
     it holds is the box around it, left unfilled so the state stands out)."""
-    by_id = chart.declaration.states_map
+    by_id = chart.declared_states()
     held = {a for name in active for a in _ancestors(by_id[name])}
     return frozenset(name for name in active if name not in held)
 

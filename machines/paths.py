@@ -380,7 +380,7 @@ def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
 def _by_id(chart: CompiledChart) -> dict[str, Any]:
     """The chart's states by id (python-statemachine's ``states_map`` is keyed by value, which
     ``State(value=...)`` makes differ from the id a configuration names)."""
-    return {state.id: state for state in chart.declaration.states_map.values()}
+    return chart.declared_states()
 
 
 def _selected(chart: CompiledChart, record: Transition, configuration: tuple[str, ...],
@@ -734,7 +734,7 @@ def _orphans(chart: CompiledChart, configuration: Iterable[str]) -> list[str]:
     """The states of ``configuration`` whose parent state is not in it (``fault`` active
     without ``operating``): no configuration a chart is meant to be in."""
     active = set(configuration)
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     return [state for state in configuration if state in states
             and getattr(states[state].parent, "id", None) not in (None, *active)]
 
@@ -751,7 +751,7 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transitio
     configuration = list(configuration)
     orphans = _orphans(chart, configuration)
     if orphans:
-        states = chart.declaration.states_map
+        states = _by_id(chart)
         parents = dict.fromkeys(str(getattr(states[state].parent, "id", "")) for state in orphans)
         left = (f"leaves {','.join(configuration)} active without {', '.join(parents)} (the "
                 f"parent state of {', '.join(orphans)})")
@@ -915,7 +915,7 @@ def _refuse_out_of_finals(chart: CompiledChart, graph: _Graph) -> None:
     ``done.state`` of its compound, which says the compound is done, and the transition then
     takes the compound on, so "final" is untrue (SCXML's ``<final>`` declares no transition;
     python-statemachine refuses one out of the chart's own final states only)."""
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     taken = _from_starts(graph)
     found: dict[tuple[str, str], list[Transition]] = {}
     for transition in chart.transitions:
@@ -942,7 +942,7 @@ def _left_at_once(chart: CompiledChart, never: list[Transition]) -> str:
     by an unguarded ``done.state`` transition: entering the child raises the event, which that
     transition takes in the same macrostep (python-statemachine refuses a transition out of a
     final state of the chart itself, not of a compound)."""
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     reasons = []
     for transition in never:
         final = states.get(transition.source)
@@ -971,7 +971,7 @@ def _left_first(chart: CompiledChart, graph: _Graph, never: list[Transition]) ->
     too (``fire = loaded.to(empty, unless="has_ammo")`` beside ``loaded.to(empty,
     unless="has_ammo")``), so under the outcomes that select the transition python-statemachine
     takes the eventless one first, before the event, and the state is left."""
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     reasons = []
     for transition in never:
         if not transition.event or transition.source not in graph.entered:

@@ -1,0 +1,110 @@
+"""Stop 65, a newcomer's own charts through the toolkit (an order workflow with compound,
+parallel and history states; a retry/backoff chart; a door chart whose states come from an
+Enum, ``States.from_enum``, on a model object). python-statemachine keys a chart's
+``states_map`` by each state's *value*, which ``State(value=...)`` and an Enum's states make
+differ from the id every tool names a state by: the tools that looked states up by id there
+failed or went blind on such a chart."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import pytest
+from statemachine import State, StateChart, StateMachine
+from statemachine.states import States
+
+from calexec.machines.diagrams import ACTIVE_FILL, active_configuration, render_chart_dot
+from calexec.machines.paths import as_data
+
+
+class Door(Enum):
+    CLOSED = 1
+    OPEN = 2
+    LOCKED = 3
+
+
+class Lockable:
+    def __init__(self) -> None:
+        self.state = None
+        self.has_key = True
+
+    def key_ok(self) -> bool:
+        return self.has_key
+
+
+class DoorChart(StateMachine):
+    _ = States.from_enum(Door, initial=Door.CLOSED, use_enum_instance=True)
+
+    open = _.CLOSED.to(_.OPEN)
+    close = _.OPEN.to(_.CLOSED)
+    lock = _.CLOSED.to(_.LOCKED, cond="key_ok")
+    unlock = _.LOCKED.to(_.CLOSED, cond="key_ok")
+
+
+class Kiln(StateChart):  # type: ignore[type-arg]
+    idle = State(initial=True, value="IDLE")
+
+    class firing(State.Compound):
+        heating = State(initial=True, value="HEATING")
+        cooled = State(final=True, value="COOLED")
+        cool = heating.to(cooled)
+        reheat = cooled.to(heating)
+
+    start = idle.to(firing)
+
+
+class Named(StateMachine):
+    rot_ = State("Rot", initial=True, value="R")
+    green = State("Go now", value="G")
+
+    go = rot_.to(green)
+    stop = green.to(rot_)
+
+
+def _node(dot: str, state: str) -> str:
+    return next(line for line in dot.splitlines() if line.strip().startswith(f"{state} ["))
+
+
+def test_an_enum_charts_state_is_highlighted_by_its_id() -> None:
+    # the live inspector draws the state holding most runs, so its page and every drawing of
+    # an Enum chart answered 500 (KeyError: 'LOCKED'), as render_chart_dot raised here
+    assert active_configuration(DoorChart, "LOCKED") == ("LOCKED",)
+    dot = render_chart_dot(DoorChart, active_state="LOCKED")
+    assert f"fillcolor={ACTIVE_FILL}" in _node(dot, "LOCKED")
+    assert ACTIVE_FILL not in _node(dot, "CLOSED")
+    dot = render_chart_dot(Kiln, active_state="firing,cooled")
+    assert f"fillcolor={ACTIVE_FILL}" in _node(dot, "cooled")
+
+
+def test_a_state_declared_with_a_value_keeps_its_own_name_in_the_drawing() -> None:
+    dot = render_chart_dot(Named)
+    assert 'label="Rot (rot_)"' in _node(dot, "rot_")
+    assert 'label="Go now (green)"' in _node(dot, "green")
+
+
+def test_paths_refuse_a_transition_out_of_a_final_child_declared_with_a_value() -> None:
+    # as for the same chart without value=: entering cooled raises done.state.firing, yet
+    # reheat takes firing on; charts paths offered "start cool reheat", exit 0
+    with pytest.raises(ValueError, match=r"cooled --reheat--> heating out of cooled, a final "
+                                         r"state of firing"):
+        as_data(Kiln)
+
+
+@pytest.mark.requires_tool("dot")
+def test_the_live_inspector_draws_an_enum_chart() -> None:
+    from starlette.testclient import TestClient
+
+    from calexec.machines.inspector import Inspector, inspector_app
+
+    door = DoorChart(Lockable())
+    door.send("lock")
+    inspector = Inspector()
+    inspector.register(DoorChart, runs=lambda: [door])
+    with TestClient(inspector_app(inspector), raise_server_exceptions=False) as client:
+        assert client.get("/").status_code == 200
+        busiest = client.get("/DoorChart.svg")
+        assert busiest.status_code == 200 and 'id="s_LOCKED"' in busiest.text
+        assert client.get("/DoorChart.svg?active=OPEN").status_code == 200
+        refused = client.get("/DoorChart.svg?active=Door.OPEN")
+        assert refused.status_code == 400 and "CLOSED, OPEN, LOCKED" in refused.text
+
