@@ -48,6 +48,16 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             # mypkg.charts.orders: a module, not a module and its class
             hint = (f"; {ref!r} is a module: name a chart class it declares after a colon, "
                     f"{ref}:CLASS")
+        elif not sep and ("/" in ref or os.sep in ref or ref.endswith(".py")) and os.path.isfile(
+                os.path.join(os.path.abspath(cwd or os.getcwd()), ref)):
+            # enums.py, src/enums.py: a file, whose ".py" read as a class ('enums:py')
+            dotted = _module_under(os.path.abspath(cwd or os.getcwd()), ref)
+            stem = os.path.splitext(os.path.basename(ref))[0]
+            hint = (f"; {ref!r} is a file path, not a module name: name its module and a chart "
+                    f"class it declares after a colon, {dotted}:CLASS" if dotted is not None
+                    else f"; {ref!r} is a file path, not a module name: run from the directory "
+                    f"that holds it and name its module and a chart class it declares after a "
+                    f"colon, {stem}:CLASS")
         raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
                                  "that declares it (e.g. order_workflow:OrderWorkflow)" + hint)
     root = os.path.abspath(cwd or os.getcwd())

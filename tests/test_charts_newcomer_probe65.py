@@ -108,3 +108,21 @@ def test_the_live_inspector_draws_an_enum_chart() -> None:
         refused = client.get("/DoorChart.svg?active=Door.OPEN")
         assert refused.status_code == 400 and "CLOSED, OPEN, LOCKED" in refused.text
 
+
+def test_a_chart_file_given_without_a_class_is_named_as_a_file(tmp_path, monkeypatch,
+                                                                capsys) -> None:
+    # `calexec charts paths enums.py` answered "did you mean 'enums:py'?": the file's
+    # extension offered as a chart class, which the next run refuses in turn
+    from calexec.cli import main as cli
+
+    (tmp_path / "src").mkdir()
+    for where in ("doors.py", "src/doors.py"):
+        (tmp_path / where).write_text("from statemachine import State, StateMachine\n")
+    monkeypatch.chdir(tmp_path)
+    for given, module in (("doors.py", "doors"), ("./doors.py", "doors"),
+                          (str(tmp_path / "doors.py"), "doors"), ("src/doors.py", "src.doors")):
+        assert cli(["charts", "paths", given]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "did you mean" not in line, line
+        assert line.endswith(f"{given!r} is a file path, not a module name: name its module and "
+                             f"a chart class it declares after a colon, {module}:CLASS"), line
