@@ -54,6 +54,8 @@ Thread model as ``ChartRun``: one owner at a time, no lock.
 
 from __future__ import annotations
 
+import difflib
+import re
 import time
 import weakref
 from collections import deque
@@ -375,7 +377,8 @@ class StatechartRun:
                 self._registry.check(visited._specs)
             except Exception as err:
                 raise InvalidDefinition(
-                    f"Error on {visited!s} when resolving callbacks: {err}") from err
+                    f"{chart.name}: error on {visited!s} when resolving callbacks: {err}"
+                    f"{_unresolved_hint(model, err)}") from err
         coroutines = sorted({str(callback) for executor in self._registry._registry.values()
                              for callback in executor if callback._iscoro})
         if coroutines:  # the chart's own are refused by ``compile_chart``; these came later
@@ -1101,3 +1104,18 @@ class StatechartRun:
                     if not any(s.state.is_descendant(child) for s in to_enter):
                         self._add_descendants(_Step(info.transition, child), to_enter,
                                               default_entry, default_history)
+
+
+def _unresolved_hint(model: object, err: Exception) -> str:
+    """What to do about a name the chart gives a callback (a guard, an action) that neither the
+    model, the chart nor a listener answers (python-statemachine's ``Did not found name 'x'``):
+    the model's name it resembles (a typo) and the two fixes; empty for another error."""
+    found = re.search(r"Did not found name '([^']*)'", str(err))
+    if found is None:
+        return ""
+    name = found.group(1)
+    close = difflib.get_close_matches(
+        name, [n for n in dir(model) if not n.startswith("__")], n=1)
+    meant = f"; did you mean {close[0]!r}?" if close else ""
+    return (f"{meant} (the model is {type(model).__name__}: give it a method {name}, or "
+            f"correct the name in the chart)")

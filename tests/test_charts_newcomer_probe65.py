@@ -126,3 +126,39 @@ def test_a_chart_file_given_without_a_class_is_named_as_a_file(tmp_path, monkeyp
         assert "did you mean" not in line, line
         assert line.endswith(f"{given!r} is a file path, not a module name: name its module and "
                              f"a chart class it declares after a colon, {module}:CLASS"), line
+
+
+class Retry(StateChart):  # type: ignore[type-arg]
+    idle = State(initial=True)
+    running = State()
+    done = State(final=True)
+
+    start = idle.to(running)
+    finish = running.to(done, cond="succeeded")
+
+    def on_enter_running(self) -> None:  # an action: the general run
+        self.model.attempts += 1
+
+
+class Misspelt:
+    attempts = 0
+
+    def succeded(self) -> bool:
+        return True
+
+
+def test_a_general_run_of_a_model_missing_a_guard_names_the_chart_and_the_fix() -> None:
+    # it was python-statemachine's "Error on transition finish from Running to Done when
+    # resolving callbacks: Did not found name 'succeeded' from model or statemachine": no chart,
+    # no model, nothing to do
+    from statemachine.exceptions import InvalidDefinition
+
+    from calexec.machines.compiled import compiled
+
+    with pytest.raises(InvalidDefinition) as refused:
+        compiled(Retry).run(Misspelt())
+    assert str(refused.value).startswith("Retry: error on transition finish from Running to "
+                                         "Done when resolving callbacks: ")
+    assert str(refused.value).endswith(
+        "; did you mean 'succeded'? (the model is Misspelt: give it a method succeeded, or "
+        "correct the name in the chart)")
