@@ -716,6 +716,10 @@ class StatechartRun:
                 if self.trail is not None and isinstance(refusal, GuardRejected):
                     self._trail_refusal(str(trigger.event), refusal.guards)
                 raise refusal
+            if self.trail is not None:  # StateChart semantics: ignored, yet the path shows
+                refusal = self._refusal(str(trigger.event))  # its guards refused it
+                if isinstance(refusal, GuardRejected):
+                    self._trail_refusal(str(trigger.event), refusal.guards)
             return _NOTHING  # a later queued event's result is the send's, as in psm
         try:
             return self._microstep(list(enabled), trigger)
