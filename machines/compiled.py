@@ -36,7 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Mapping
-from types import MappingProxyType
+from types import MappingProxyType, MemberDescriptorType
 from typing import Any, Protocol
 
 import attrs
@@ -318,7 +318,7 @@ class CompiledChart:
             # a model that already holds a state (persisted, or a run before this one) starts
             # there, as a python-statemachine instance restores it (the state's value: its id
             # unless declared with value=)
-            saved = own.get("state") if own else None
+            saved = own.get("state") if own else _saved_state(model)
             if saved is None:
                 state = self.start or self.initial
             else:
@@ -397,11 +397,20 @@ def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[st
 
 
 def _saved_state(model: object) -> object:
-    """The state a model instance holds in its own ``state`` attribute (None: none). Only the
-    instance's own attributes: a class-level property (calexec's models read their run) is no
-    saved state."""
+    """The state a model instance holds in its own ``state`` attribute (None: none): in its
+    ``__dict__``, or in a slot (``@dataclass(slots=True)``: until stop 65 a slotted model's
+    saved state was not read, and the run started in the initial state where an instance
+    restores it). Only the instance's own attributes: a class-level property (calexec's
+    models read their run) is no saved state."""
     own = getattr(model, "__dict__", None)
-    return own.get("state") if own else None
+    if own and "state" in own:
+        return own["state"]
+    cls = type(model)
+    if getattr(cls, "__slots__", None) is None:  # (calexec's models: one lookup, no slot)
+        return None
+    if not isinstance(inspect.getattr_static(cls, "state", None), MemberDescriptorType):
+        return None
+    return getattr(model, "state", None)  # (an unset slot: none)
 
 
 #: One entry of a run's trail (``keep_trail``): ``(event, source, target, None, t)`` for a

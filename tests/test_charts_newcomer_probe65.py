@@ -215,3 +215,38 @@ def test_a_followed_statechart_run_shows_an_event_its_guards_refused() -> None:
     run.send("settle")
     run.send("pack")
     assert run.state == "done"
+
+
+def test_a_slotted_models_saved_state_is_where_the_run_starts() -> None:
+    # a @dataclass(slots=True) model has no __dict__: its saved state was not read, so the
+    # flat run started CLOSED where the instance restores LOCKED (`unlock` then refused as
+    # IllegalTransition), and the general run started in the initial state without a word
+    from dataclasses import dataclass
+
+    from calexec.machines.compiled import UnsupportedChart, compiled
+
+    @dataclass(slots=True)
+    class Ticket:
+        state: object = None
+        has_key: bool = True
+
+        def key_ok(self) -> bool:
+            return self.has_key
+
+    assert list(DoorChart(Ticket(state=Door.LOCKED)).configuration_values) == [Door.LOCKED]
+    run = compiled(DoorChart).run(Ticket(state=Door.LOCKED))
+    assert run.state == "LOCKED"
+    run.send("unlock")
+    assert run.state == "CLOSED"
+    assert compiled(DoorChart).run(Ticket()).state == "CLOSED"  # an unset state: the initial
+
+    @dataclass(slots=True)
+    class Saved:
+        state: object = "pending"
+        paid: bool = False
+
+        def payment_ok(self) -> bool:
+            return self.paid
+
+    with pytest.raises(UnsupportedChart, match=r"the model already holds state='pending'"):
+        compiled(OrderFlow).run(Saved())
