@@ -40,7 +40,7 @@ from types import MappingProxyType, MemberDescriptorType
 from typing import Any, Protocol
 
 import attrs
-from statemachine import StateChart
+from statemachine import State, StateChart
 from statemachine.callbacks import CallbackGroup
 from statemachine.graph import iterate_states_and_transitions
 from statemachine.signature import SignatureAdapter
@@ -179,7 +179,7 @@ class CompiledChart:
     #: (``error.*``, ``error.``, ``*``): else ``matching`` answers such an event at once
     wildcards: bool = attrs.field(default=False, repr=False)
 
-    def declared_states(self) -> dict[str, Any]:
+    def declared_states(self) -> dict[str, State]:
         """The chart's python-statemachine ``State`` of each state id (history states not
         included). Read states by id through this, never through the declaration's
         ``states_map``: python-statemachine keys that by value, which a state declared with
