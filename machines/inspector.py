@@ -137,7 +137,7 @@ class Registered:
             if state not in self.chart.states:
                 known = ", ".join(self.chart.states)
                 return {}, (f"{said} a state the chart does not have: {shown(state, 60)} (its "
-                            f"states, by id: {known:.200})")
+                            f"states, by id: {known:.200}){_by_value(self.chart, state)}")
             if found[state] < 0:
                 return {}, f"{said} a count below 0: {shown(state, 60)}={shown(n, 60)}"
         return found, None
@@ -166,10 +166,24 @@ class Registered:
             said = f"{self.name}: the active= function given to register answered"
             if err.unknown:
                 return None, (f"{said} a state the chart does not have: {shown(state, 60)} "
-                              f"(its states, by id: {', '.join(self.chart.states):.200})")
+                              f"(its states, by id: {', '.join(self.chart.states):.200})"
+                              f"{_by_value(self.chart, state)}")
             return None, (f"{said} states no run is in at once: {shown(state, 60)} "
                           f"({unhighlightable(err, self.name, state)})")
         return ",".join(configuration) or None, None
+
+
+def _by_value(chart: CompiledChart, answered: object) -> str:
+    """``; Door.LOCKED is the value of state LOCKED: answer its id`` when what an app's
+    function answered is a state's value (an Enum member, what ``configuration_values`` of
+    an instance holds, or a ``value=``), else empty."""
+    try:
+        state = chart.state_of(answered)
+    except Exception:  # noqa: BLE001 - an unhashable answer: no value of a state
+        return ""
+    if state is None or state == answered:
+        return ""
+    return f"; {shown(answered, 60)} is the value of state {state}: answer its id, {state}"
 
 
 def busiest_configuration(chart: CompiledChart, counts: Mapping[str, int]) -> str | None:

@@ -250,3 +250,26 @@ def test_a_slotted_models_saved_state_is_where_the_run_starts() -> None:
 
     with pytest.raises(UnsupportedChart, match=r"the model already holds state='pending'"):
         compiled(OrderFlow).run(Saved())
+
+
+def test_the_inspector_says_which_state_an_enum_member_answered_for_it_is() -> None:
+    # an app's active= written as an instance reads its state
+    # (next(iter(door.configuration_values)): Door.LOCKED, the state's value) was refused
+    # naming the chart's ids alone, not that the answer was LOCKED's value nor what to answer
+    from calexec.machines.inspector import Inspector
+
+    door = DoorChart(Lockable())
+    door.send("lock")
+    inspector = Inspector()
+    inspector.register(DoorChart, runs=lambda: [door],
+                       active=lambda: next(iter(door.configuration_values)))
+    inspector.register(DoorChart, name="by_counts", counts=lambda: {Door.LOCKED: 1})
+    inspector.register(DoorChart, name="typo", counts=lambda: {"LOKED": 1})
+    charts = inspector.live()["charts"]
+    assert isinstance(charts, dict)
+    for name, key in (("DoorChart", "active"), ("by_counts", "counts")):
+        assert charts[name]["error"].endswith(
+            f'{key}= function given to register answered a state the chart does not have: '
+            f'"Door.LOCKED" (its states, by id: CLOSED, OPEN, LOCKED); "Door.LOCKED" is the '
+            f'value of state LOCKED: answer its id, LOCKED'), charts[name]["error"]
+    assert charts["typo"]["error"].endswith('"LOKED" (its states, by id: CLOSED, OPEN, LOCKED)')
