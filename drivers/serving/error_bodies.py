@@ -29,10 +29,16 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
 
 
 #: categories no retry of the same request fixes (contracts/errors.py's table: COMPATIBILITY
-#: "needs a manual fix", PROGRAMMING "a calexec bug or configuration error"): their answers
-#: carry ``x-should-retry: false``, which the OpenAI SDKs obey over their own rule (every 5xx
-#: retried, ``max_retries`` times after a back-off)
-NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING})
+#: "needs a manual fix", PROGRAMMING "a calexec bug or configuration error", REQUEST_ARTIFACT
+#: a runtime bound/dtype/shape/allocation failure of a request that passed the manifest
+#: checks: the generation keeps serving, §8 "record the manifest difference", and the same
+#: request meets the same difference again): their answers carry ``x-should-retry: false``,
+#: which the OpenAI SDKs obey over their own rule (every 5xx retried, ``max_retries`` times
+#: after a back-off). The other 500s are retried: ARTIFACT rolls back to the last good
+#: generation, UNKNOWN and INTERNAL (bad output) recover the device, after which a retry may
+#: be served (docs/server.md "Retries")
+NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING,
+                           Category.REQUEST_ARTIFACT})
 #: 5xx answers no retry of the same request changes: 501, a transfer coding this server does
 #: not implement; 505, an HTTP version it does not speak (the SDKs retry every 5xx they are
 #: not told not to)
