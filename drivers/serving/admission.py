@@ -73,9 +73,11 @@ class AdmissionQueue:
     """FIFO of requests waiting for a KV sequence id and a Ready lifecycle (module docstring)."""
 
     def __init__(self, sequences: Any, state: Callable[[], str], health: Callable[[], list[str]],
-                 draining: Callable[[], bool], max_waiting: int, poll_s: float) -> None:
+                 draining: Callable[[], bool], max_waiting: int, poll_s: float,
+                 failure: Callable[[], Status | None] = lambda: None) -> None:
         self.sequences = sequences
         self._state, self._health, self._draining = state, health, draining
+        self._failure = failure
         self.max_waiting = max_waiting
         self.poll_s = poll_s
         self._resumes: deque[Waiter] = deque()
@@ -101,7 +103,7 @@ class AdmissionQueue:
         if self._draining() and not (resume or admitted):
             return Status.unavailable(Phase.ADMISSION, "server is draining")
         if state != "Ready" and state not in WAITABLE:
-            return Status.unavailable(Phase.ADMISSION, f"device lifecycle is {state}")
+            return self.not_serving(state)
         queue = self._resumes if resume else self._fresh
         ahead = len(self._resumes) if resume else self.waiting
         reasons = self._health() if state == "Ready" else []
@@ -172,6 +174,15 @@ class AdmissionQueue:
             seq_id, waiter.seq_id = waiter.seq_id, None
             self.sequences.release(seq_id)  # on_free pumps it to the next waiter
 
+    def not_serving(self, state: str) -> Status:
+        """The 503 of a request the lifecycle ``state`` (not Ready, not one to wait in) will
+        not serve: a Failed one names the failure that ended it (``failure``), which a client
+        retrying the request's first 500 (the OpenAI SDKs retry every 5xx) otherwise met only
+        as "device lifecycle is Failed", its last answer and so the error it raised."""
+        failure = self._failure() if state == "Failed" else None
+        return Status.unavailable(Phase.ADMISSION, f"device lifecycle is {state}"
+                                  + (f" after {failure}" if failure is not None else ""))
+
     # ---- waking -----------------------------------------------------------------------------
     def pump(self) -> None:
         """Hand free ids to waiters in order, or refuse them all when waiting cannot help."""
@@ -179,8 +190,7 @@ class AdmissionQueue:
             return
         state = self._state()
         if state != "Ready" and state not in WAITABLE:
-            self._refuse_all(Status.unavailable(Phase.ADMISSION, f"device lifecycle is {state}"),
-                             resumes=True)
+            self._refuse_all(self.not_serving(state), resumes=True)
             return
         if self._draining():
             self._refuse_all(Status.unavailable(Phase.ADMISSION, "server is draining"),

@@ -746,7 +746,7 @@ class CompletionService:
         self.started_at = time.time()
         self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
                                         lambda: self.draining, config.max_waiting,
-                                        config.lifecycle_poll_s)
+                                        config.lifecycle_poll_s, lambda: executor.failure)
         self.sequences.on_free = self.admission.wake_threadsafe
         self.resumer = Resumer(self)
         #: the device wait (ms) of the last ``_DEVICE_WINDOW`` decode jobs (inf: none yet),
@@ -845,8 +845,7 @@ class CompletionService:
         # while a recovery replaces the generation, requests are validated against the last one
         generation = self.contracts
         if generation is None:
-            return None, Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+            return None, self.admission.not_serving(self.executor.state), None
         vocab = generation.vocab_size
         max_seq = generation.submodels[TaskKind.DECODE].max_seq
         prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
@@ -889,8 +888,7 @@ class CompletionService:
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         generation = self._contracts
         if generation is None:  # (check found one)
-            return None, Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+            return None, self.admission.not_serving(self.executor.state), None
         vocab = generation.vocab_size
         # an id, a place in the waiting queue, or a refusal
         got = self.admission.try_admit(admitted=admitted)
