@@ -83,3 +83,28 @@ def test_a_retried_500_whose_retries_meet_the_failed_lifecycle_names_why_it_fail
     assert why in failed.message and failed.body["code"] == "lifecycle.unavailable"
     if fault is Fault.SUBMIT_RC:
         assert f"raw={args['rc']}" in failed.message, failed.message
+
+
+def test_the_sdk_tries_each_refusal_of_the_request_once(tmp_path):
+    """(Not a defect: pins docs/server.md "Retries".) A 400 (a bad field), 401 (no key), 404
+    (a model not served) and 413 (a body over ``max_body_bytes``) are each answered once:
+    the SDK retries no 4xx but 408, 409 and 429, and none of these says otherwise."""
+    config = ServerConfig(api_key="k", max_body_bytes=4096)
+    with openai_server(tmp_path, config=config, timeout=TIMEOUT_S) as (server, _, _):
+        answers: list[httpx.Response] = []
+        http = httpx.Client(event_hooks={"response": [answers.append]})
+
+        def sdk(key: str) -> object:
+            return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=2,
+                                 timeout=TIMEOUT_S, http_client=http)
+        calls = [(400, "k", {"model": MODEL, "prompt": "hi", "max_tokens": -1}),
+                 (401, "wrong", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+                 (404, "k", {"model": "nope", "prompt": "hi", "max_tokens": 1}),
+                 (413, "k", {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 1})]
+        for code, key, kwargs in calls:
+            answers.clear()
+            with pytest.raises(openai.APIStatusError) as failed:
+                sdk(key).completions.create(**kwargs)
+            assert failed.value.status_code == code
+            assert [a.status_code for a in answers] == [code], kwargs
+        http.close()
