@@ -231,3 +231,32 @@ def test_a_context_lm_eval_left_truncates_is_scored_as_the_oracle_scores_what_wa
         kept = len(sent) - len(tokenizer.encode(continuation))
         assert score == pytest.approx(_oracle_loglikelihood(sent[:kept], sent[kept:]),
                                       abs=1e-3), (context, score)
+
+
+def _oracle_greedy(context: list[int], continuation: list[int]) -> bool:
+    """Whether every continuation token is the oracle's most likely next token."""
+    return oracle_tokens(context, len(continuation)) == continuation
+
+
+@pytest.mark.parametrize(("tokenized", "concurrent"), [(True, 1), (False, 2)])
+def test_loglikelihood_says_greedy_as_the_oracle_with_strings_and_concurrent_requests(
+        url, tokenized, concurrent):
+    """(Not a defect: pins what held.) lm-eval's second loglikelihood value, ``is_greedy``
+    (each continuation token's logprob equal to its position's most likely one, with
+    ``logprobs: 1``; lambada-style tasks score it), is the oracle's: ``"q1584"`` continues
+    greedily with ``"o"``, ``"q419"`` with the byte 0x8D, which ``"é"``'s first byte (0xC3,
+    also shown as U+FFFD on its own) is not. Prompts sent as token lists
+    (``tokenized_requests``) or as strings, batched, one request at a time or concurrent
+    (lm-eval's aiohttp path, ``num_concurrent``)."""
+    from lm_eval.api.instance import Instance
+
+    lm = _local_completions(url, tokenized_requests=tokenized, num_concurrent=concurrent)
+    pairs = [("q1584", "o"), ("q419", "\u00e9"), ("q1584", " x"), ("hello", "!")]
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i)
+                            for i, pair in enumerate(pairs)])
+    want = [(_oracle_loglikelihood(tokenizer.encode(c), tokenizer.encode(x)),
+             _oracle_greedy(tokenizer.encode(c), tokenizer.encode(x))) for c, x in pairs]
+    assert [greedy for _, greedy in got] == [greedy for _, greedy in want] == [
+        True, False, False, False]
+    assert [score for score, _ in got] == pytest.approx([score for score, _ in want],
+                                                         abs=1e-3)
