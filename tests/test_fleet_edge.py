@@ -25,6 +25,7 @@ from calexec.drivers.fleet.edge import (
     relay_request,
     serve_relayed,
 )
+from needs import module
 from test_server_support import run_leaving_client, slow_stream
 
 BODY = {"prompt": [1, 2], "max_tokens": 2}
@@ -35,8 +36,9 @@ class FakeApp:
     the bodies it received; ``on_request`` runs first (e.g. the device fails meanwhile)."""
 
     def __init__(self, status: int = 200, chunks: list[bytes] | None = None,
-                 on_request=None) -> None:
+                 on_request=None, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         self.status = status
+        self.extra_headers = headers or []
         self.chunks = chunks
         self.on_request = on_request
         self.bodies: list[bytes] = []
@@ -65,6 +67,7 @@ class FakeApp:
                    (b"content-length", str(len(payload)).encode())]
         if self.status == 503:
             headers.append((b"retry-after", b"1"))
+        headers += self.extra_headers
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
@@ -304,3 +307,33 @@ def test_a_completion_path_with_an_encoded_slash_is_not_relayed():
     r = post(e, path="/v1%2Fcompletions")
     assert r.status_code == 404 and not sent and e.relayed == 0
     assert RELAYED_FROM.decode() not in r.headers
+
+
+def test_the_sdk_retries_the_503_of_a_500_that_took_the_device_down():
+    """A compatibility or programming 500 says ``x-should-retry: false`` (no retry on that
+    device fixes it); once it took the replica's device down the edge answers it as the
+    fleet's 503 + Retry-After, "retry on another device", but kept the header, so the
+    OpenAI SDK (which obeys it over the 503) never retried: one answer. Now the 503 has no
+    such header, and the SDK (``max_retries`` 2) retries it."""
+    openai = module("openai", "clients")
+    serving = Flag(True)
+    local = FakeApp(500, on_request=lambda: setattr(serving, "value", False),
+                    headers=[(b"x-should-retry", b"false")])
+    app = edge(local, serving=serving, relay=None)
+    answers: list[httpx.Response] = []
+
+    async def record(response: httpx.Response) -> None:
+        answers.append(response)
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge",
+                                     event_hooks={"response": [record]}) as http:
+            sdk = openai.AsyncOpenAI(base_url="http://edge/v1", api_key="unused",
+                                     max_retries=2, http_client=http)
+            with pytest.raises(openai.APIStatusError) as failed:
+                await sdk.completions.create(model="m", prompt=[1, 2], max_tokens=2)
+            assert failed.value.status_code == 503
+    asyncio.run(go())  # (the SDK waits the 503's Retry-After, 2 s, before each retry)
+    assert [a.status_code for a in answers] == [503, 503, 503]
+    assert all("x-should-retry" not in a.headers for a in answers)

@@ -144,9 +144,13 @@ class ReplicaEdge:
 
     def _fleet_view(self, start: Message, payload: bytes) -> tuple[Message, bytes]:
         """A 500 from a replica that no longer serves is the device's failure, not the
-        request's: 503 + Retry-After (the body, with its Status, unchanged)."""
+        request's: 503 + Retry-After (the body, with its Status, unchanged), without the
+        500's ``x-should-retry: false`` (a compatibility or programming failure's: no retry
+        on this device fixes it, but another device may serve it, which the OpenAI SDKs,
+        obeying that header, never tried)."""
         if start["status"] == 500 and not self.serving():
-            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"retry-after"]
+            headers = [(k, v) for k, v in start.get("headers", [])
+                       if k.lower() not in (b"retry-after", b"x-should-retry")]
             headers.append((b"retry-after", str(self.retry_after_s).encode()))
             start = {**start, "status": 503, "headers": headers}
         return start, payload
