@@ -260,3 +260,27 @@ def test_loglikelihood_says_greedy_as_the_oracle_with_strings_and_concurrent_req
         True, False, False, False]
     assert [score for score, _ in got] == pytest.approx([score for score, _ in want],
                                                          abs=1e-3)
+
+
+def test_sampled_generations_do_not_depend_on_the_batch_size(url):
+    """lm-eval's ``generate_until`` with ``do_sample`` and a temperature sends ``seed: 1234``
+    with each batch as one prompt list. A prompt's choice drew with a seed derived from its
+    index across the list, so its answer depended on ``batch_size`` and on its place in the
+    batch (batch size 1 and 4 answered differently), where vLLM seeds each prompt alike. Now
+    a prompt draws the same in a batch as alone, and the prompts of a batch still differ."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    contexts = ["Once", "upon", "a time", "there"]
+    asked = {"until": ["\n\n"], "max_gen_toks": 4, "do_sample": True, "temperature": 1.0}
+    answers = []
+    for batch in (1, len(contexts)):
+        lm = LocalCompletionsAPI(model=MODEL, base_url=f"{url}/v1/completions",
+                                 tokenizer_backend="remote", max_retries=1, timeout=10,
+                                 max_length=512, batch_size=batch)
+        answers.append(lm.generate_until([
+            Instance("generate_until", {}, (context, dict(asked)), i)
+            for i, context in enumerate(contexts)]))
+    alone, batched = answers
+    assert batched == alone
+    assert len(set(alone)) == len(contexts)

@@ -1173,9 +1173,10 @@ def unexpected_failure(request: Request, exc: BaseException) -> Status:
 
 
 def choice_seed(seed: int | None, k: int) -> int | None:
-    """The seed of choice ``k`` of a request with ``seed``: choice 0 keeps it (n=1 draws the
-    same), the others get one derived from (seed, k), so every choice draws differently and
-    the same request draws the same choices again."""
+    """The seed of choice ``k`` of a prompt with ``seed`` (k < n: its index among that
+    prompt's ``n`` choices): choice 0 keeps it (n=1 draws the same), the others get one
+    derived from (seed, k), so every choice of a prompt draws differently, the same request
+    draws the same choices again, and a prompt of a list draws what it draws alone."""
     if seed is None or k == 0:
         return seed
     digest = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
@@ -1728,7 +1729,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         """A request of several choices (a prompt list, ``n`` > 1): choice ``k`` (``index``
         k = prompt_i * n + j) is a run of its own through the same admission as a separate
         request, at most ``service.choice_concurrency`` at once (the rest wait for their
-        turn), sampled with :func:`choice_seed`. The first failure ends the request with
+        turn), sampled with :func:`choice_seed` of j (the prompt's own choice: a prompt
+        draws the same in a list as alone). The first failure ends the request with
         that error: the other choices are cancelled and every run releases what it holds.
         No hand-off: a draining replica finishes such a request itself. Through the fleet
         (a progress channel) it reports its seed, id and ``created`` and, before each
@@ -1781,8 +1783,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                       limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
             async with limit:
                 if state.failure is None:
+                    # (each prompt's own choice j = k % n: a prompt of a list draws as it
+                    # draws alone, whatever else the list holds, as vLLM seeds each prompt)
                     await _run_choice(k, admission, shape, state, scope, deadline,
-                                      attrs.evolve(params, seed=choice_seed(params.seed, k)))
+                                      attrs.evolve(params, seed=choice_seed(params.seed, k % n)))
 
         async def produce() -> None:
             try:
