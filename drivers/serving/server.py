@@ -100,7 +100,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         yield
         # the app stops (uvicorn's shutdown, a TestClient's end): the dump records still
         # queued for its writer thread reach the file first, and the writer ends (a drain
-        # has done so)
+        # has done so); the idle decode-burst threads end
+        service.close_burst_threads()
         await service.flush_dump(DUMP_FLUSH_S, close=True)
 
     # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location

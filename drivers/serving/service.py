@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
+import contextvars
 import itertools
 import logging
 import math
@@ -36,7 +38,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
 import anyio
@@ -724,6 +726,16 @@ class CompletionService:
         # has at most one step outstanding) means a step never waits for a thread. A decode
         # burst (``decode_bursts``) is the one thread of a request holding a sequence id.
         self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
+        # The threads of the non-streamed decode bursts (``_run_burst``), handed a burst
+        # directly: anyio's ``to_thread`` first took a turn of the event loop
+        # (``checkpoint``) and its limiter another (a shielded one), two cancel scopes and
+        # about 15-20 us of the loop's CPU a request on the c=1 path (issue 28, stop 65). At
+        # most ``max_sequences`` bursts hold a sequence at once, as the limiter allowed;
+        # twice as many threads leave room for bursts a cancel gave up while their job
+        # ends (the limiter freed their token at once). Threads start when needed and end
+        # with the service (the pool's own weak reference) or at the app's shutdown.
+        self._burst_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2 * config.max_sequences, thread_name_prefix="calexec-burst")
         self._drain_task: asyncio.Task | None = None
         #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
         #: cuts the ones still waiting when its grace is over
@@ -1119,8 +1131,7 @@ class CompletionService:
         if run.sse:
             return await self._stream_burst(run)
         try:
-            steps, failure = await to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
-                                                      limiter=self._stream_limiter)
+            steps, failure = await self._in_burst_thread(run)
         except anyio.get_cancelled_exc_class():
             self._cut_burst(run)
             raise
@@ -1130,6 +1141,23 @@ class CompletionService:
         if failure is not None:
             run.burst_failure = failure
         return _BURST
+
+    def _in_burst_thread(self, run: RequestRun) -> Awaitable[tuple[int, tuple[Any, Any] | None]]:
+        """``_burst(run)`` in a thread of ``_burst_threads``, in a copy of the caller's context
+        (as anyio's ``to_thread`` ran it); cancelled, the await ends at once and the thread
+        goes on until it sees the cut (``_cut_burst``), as ``abandon_on_cancel`` did. Once the
+        pool is shut down (the app stopped), anyio's thread, as before stop 65."""
+        context = contextvars.copy_context()
+        try:
+            return asyncio.get_running_loop().run_in_executor(
+                self._burst_threads, context.run, self._burst, run)
+        except RuntimeError:  # (the pool is shut down: it takes no new work)
+            return to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
+                                      limiter=self._stream_limiter)
+
+    def close_burst_threads(self) -> None:
+        """The app stopped: the idle burst threads end (a burst still running ends first)."""
+        self._burst_threads.shutdown(wait=False)
 
     @staticmethod
     def _cut_burst(run: RequestRun) -> None:
