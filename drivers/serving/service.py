@@ -1516,7 +1516,8 @@ class CompletionService:
         (until stop 65 the whole of ``finish`` was one: a scope every request entered, about
         4 us of the event loop's CPU, for the few with a decode stream to close)."""
         with anyio.CancelScope(shield=True):
-            return await to_thread.run_sync(self._close_and_release, run)
+            released = await to_thread.run_sync(self._close_and_release, run)
+        return released
 
     async def cut(self, run: RequestRun) -> None:
         """The request's response was cut: one of its sends did not complete by the request's
