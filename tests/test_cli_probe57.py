@@ -17,11 +17,13 @@ from calexec import cli
 from calexec.drivers.device_spec import emulated_latency_us, with_emulated_latency
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.machines.executor import ExecutorConfig
+from executor_harness import GOLDEN_DEADLINE_PRE, short_golden_deadline
 from proc_table import stat_rows
 
-#: an emulated prefill of 0.59 s per token: the warm-up's 17-token golden prefill takes 10.03 s,
-#: just past the golden job's 10 s deadline (``ExecutorConfig.golden_timeout_s``)
-SLOW_PREFILL = "prefill_per_token_us=590000"
+#: an emulated prefill of 0.12 s per token: the warm-up's 17-token golden prefill takes 2.04 s,
+#: past the golden job's deadline (``ExecutorConfig.golden_timeout_s``), which these tests make
+#: 1 s (``short_golden_deadline``): as 0.59 s a token past the default 10 s, in a fifth of the time
+SLOW_PREFILL = "prefill_per_token_us=120000"
 
 
 def test_emulated_latency_moves_the_deadlines_out_by_the_job_it_costs():
@@ -46,12 +48,14 @@ def test_golden_record_with_an_emulated_prefill_slower_than_the_warm_up_deadline
     """``golden record --device-config prefill_per_token_us=590000`` (the emulator takes up to
     60 s) failed its warm-up, exit 3, ``wait.deadline ... (job_id=1 seq_id=0 ...)``, neither
     the flag nor the key named: each golden job waited ``golden_timeout_s`` (10 s) whatever
-    latency the device was asked for. The deadlines now grow by it."""
+    latency the device was asked for. The deadlines now grow by it. (Here 1 s and 0.12 s a
+    token: ``SLOW_PREFILL``.)"""
     calbin = tmp_path / "model.calbin"
     calbin.write_bytes(calbin_fmt.dumps(calbin_fmt.default_spec()))
     out = tmp_path / "model.goldens.toml"
-    code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
-                     "--device-config", SLOW_PREFILL])
+    with short_golden_deadline(1.0):
+        code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
+                         "--device-config", SLOW_PREFILL])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert out.exists() and "wait.deadline" not in captured.err
@@ -60,9 +64,11 @@ def test_golden_record_with_an_emulated_prefill_slower_than_the_warm_up_deadline
 def test_serve_once_with_an_emulated_prefill_slower_than_the_warm_up_deadline():
     """``serve --once --device-config prefill_per_token_us=590000``: the same warm-up failure,
     exit 3 (``executor failed to start: wait.deadline``); now the server starts and its
-    sample request (16 prompt tokens, 9.4 s) is answered."""
-    run = subprocess.run([sys.executable, "-m", "calexec.cli", "serve", "--once",
-                          "--device-config", SLOW_PREFILL],
+    sample request (16 prompt tokens, 9.4 s) is answered. (Here against a 1 s golden deadline,
+    ``SLOW_PREFILL``: the warm-up's prefill 2.04 s, the sample request 1.92 s.)"""
+    code = (f"{GOLDEN_DEADLINE_PRE.format(seconds=1.0)}\nimport sys\nfrom calexec.cli import main\n"
+            f"sys.exit(main(['serve', '--once', '--device-config', {SLOW_PREFILL!r}]))")
+    run = subprocess.run([sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr
     assert "drained: executor Stopped; exit 0" in run.stdout

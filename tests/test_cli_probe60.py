@@ -18,6 +18,7 @@ from calexec.contracts.files import new_file_mode
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.device_spec import LATENCY_KEYS, emulated_latency_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from executor_harness import short_golden_deadline
 
 #: how a latency key's value may be written: the emulator reads it with strtoll (leading
 #: blanks, a sign, leading zeros) and refuses anything after the digits
@@ -46,12 +47,14 @@ def test_golden_record_with_a_signed_emulated_prefill_slower_than_the_warm_up_de
     """``golden record --device-config prefill_per_token_us=+590000`` (the emulator's 0.59 s per
     token: the 17-token golden prefill takes 10.03 s, past the 10 s golden deadline) failed
     its warm-up, exit 3, ``wait.deadline ... (job_id=1 seq_id=0 ...)``, neither flag nor key
-    named, where ``=590000`` ran (stop 57): the ``+`` hid the latency from the deadlines."""
+    named, where ``=590000`` ran (stop 57): the ``+`` hid the latency from the deadlines.
+    (Here the same against a 1 s golden deadline: ``+120000``, a 2.04 s prefill.)"""
     calbin = tmp_path / "model.calbin"
     calbin.write_bytes(calbin_fmt.dumps(calbin_fmt.default_spec()))
     out = tmp_path / "model.goldens.toml"
-    code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
-                     "--device-config", "prefill_per_token_us=+590000"])
+    with short_golden_deadline(1.0):
+        code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
+                         "--device-config", "prefill_per_token_us=+120000"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert out.exists() and "wait.deadline" not in captured.err
