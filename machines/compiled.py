@@ -30,6 +30,7 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 import re
 import threading
@@ -318,7 +319,7 @@ class CompiledChart:
             # a model that already holds a state (persisted, or a run before this one) starts
             # there, as a python-statemachine instance restores it (the state's value: its id
             # unless declared with value=)
-            saved = own.get("state") if own else _saved_state(model)
+            saved = _saved_state(model)
             if saved is None:
                 state = self.start or self.initial
             else:
@@ -398,19 +399,25 @@ def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[st
 
 def _saved_state(model: object) -> object:
     """The state a model instance holds in its own ``state`` attribute (None: none): in its
-    ``__dict__``, or in a slot (``@dataclass(slots=True)``: until stop 65 a slotted model's
-    saved state was not read, and the run started in the initial state where an instance
-    restores it). Only the instance's own attributes: a class-level property (calexec's
-    models read their run) is no saved state."""
+    ``__dict__``, or in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a
+    ``__dict__``: until stop 65 a slotted model's saved state was not read, and the run started
+    in the initial state where an instance restores it). Only the instance's own attributes:
+    a class-level property (calexec's models read their run) is no saved state. The slot is
+    looked for once per class (``_state_slot``): ``JOB.run`` makes a run per job."""
     own = getattr(model, "__dict__", None)
     if own and "state" in own:
         return own["state"]
-    cls = type(model)
-    if getattr(cls, "__slots__", None) is None:  # (calexec's models: one lookup, no slot)
-        return None
-    if not isinstance(inspect.getattr_static(cls, "state", None), MemberDescriptorType):
+    if not _state_slot(type(model)):
         return None
     return getattr(model, "state", None)  # (an unset slot: none)
+
+
+@functools.lru_cache(maxsize=256)
+def _state_slot(cls: type) -> bool:
+    """``cls`` keeps ``state`` in a slot (its own or a base's). Cached, bounded: made for
+    each run, the look-up (``inspect.getattr_static``) made ``JOB.run`` of a slotted ``Job``
+    (each job's, and each buffer slot's and KV transaction's run) some ten times slower."""
+    return isinstance(inspect.getattr_static(cls, "state", None), MemberDescriptorType)
 
 
 #: One entry of a run's trail (``keep_trail``): ``(event, source, target, None, t)`` for a

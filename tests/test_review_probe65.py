@@ -1,0 +1,64 @@
+"""Stop 65 review of the merged work: a slotted model's saved state (read since stop 65) is
+looked for once per model class, not at each run (calexec's ``Job``, buffer slot and KV
+transaction are slotted and make a run each); a slotted base's ``state`` beneath a subclass's
+``__dict__`` is read as the slot it is; a chart file that is not there is not offered back
+with ``py`` as its class."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from statemachine import State, StateMachine
+
+from calexec.machines.compiled import compiled
+
+
+class Door(StateMachine):
+    closed = State(initial=True)
+    locked = State()
+
+    lock = closed.to(locked)
+    unlock = locked.to(closed)
+
+
+def test_the_state_slot_is_looked_for_once_per_model_class(monkeypatch) -> None:
+    # each run of a slotted model (JOB.run(job) for every job) looked for a `state` slot with
+    # inspect.getattr_static, some ten times a flat run's cost
+    class Slotted:
+        __slots__ = ("note",)
+
+    looked: list[type] = []
+    real = inspect.getattr_static
+
+    def counting(obj, name, *default):
+        if name == "state" and obj is Slotted:
+            looked.append(obj)
+        return real(obj, name, *default)
+
+    monkeypatch.setattr(inspect, "getattr_static", counting)
+    chart = compiled(Door)
+    for _ in range(50):
+        assert chart.run(Slotted()).state == "closed"
+    assert len(looked) <= 1, len(looked)
+
+
+def test_a_slotted_bases_state_beneath_a_dict_is_where_the_run_starts() -> None:
+    # a subclass without __slots__ of a slotted dataclass has a __dict__ (here holding
+    # `note`), its `state` in the base's slot: the run started `closed` where the instance
+    # restores `locked`, and started `locked` once the __dict__ was empty
+    @dataclass(slots=True)
+    class Base:
+        state: object = None
+
+    class Ticket(Base):
+        def __init__(self, state: object) -> None:
+            Base.__init__(self, state)
+            self.note = "kept in __dict__"
+
+    assert list(Door(Ticket("locked")).configuration_values) == ["locked"]
+    run = compiled(Door).run(Ticket("locked"))
+    assert run.state == "locked"
+    run.send("unlock")
+    assert run.state == "closed"
+    assert compiled(Door).run(Ticket(None)).state == "closed"
