@@ -62,3 +62,19 @@ def test_a_slotted_bases_state_beneath_a_dict_is_where_the_run_starts() -> None:
     run.send("unlock")
     assert run.state == "closed"
     assert compiled(Door).run(Ticket(None)).state == "closed"
+
+
+def test_a_chart_file_that_is_not_there_is_not_offered_with_py_as_its_class(
+        tmp_path, monkeypatch, capsys) -> None:
+    # `calexec charts paths nodoors.py` (a typo of doors.py) still answered "did you mean
+    # 'nodoors:py'?": stop 65 named an existing file as one, a missing one not
+    from calexec.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    for given, stem in (("nodoors.py", "nodoors"), ("src/nodoors.py", "nodoors")):
+        assert cli(["charts", "paths", given]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "did you mean" not in line and ":py" not in line, line
+        assert line.endswith(f"{given!r} is a file path, not a module name, and no such file "
+                             f"is in {tmp_path}: name a module and a chart class it declares "
+                             f"after a colon, e.g. {stem}:CLASS"), line
