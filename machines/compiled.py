@@ -30,7 +30,6 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import re
 import threading
@@ -165,6 +164,10 @@ class CompiledChart:
     #: model class -> the ``conventions`` it answers, looked up once per class as
     #: ``async_guards`` is
     model_actions: dict[type, tuple[str, ...]] = attrs.field(factory=dict, repr=False, eq=False)
+    #: model class -> whether it keeps ``state`` in a slot (``_saved_state``), looked up once
+    #: per class as ``async_guards`` is (calexec's ``Job`` is slotted: a look-up at each run
+    #: made ``JOB.run`` some ten times slower)
+    state_slots: dict[type, bool] = attrs.field(factory=dict, repr=False, eq=False)
     #: where a flat run starts when neither its model nor the caller names a state: the
     #: chart's ``start_configuration_values`` (python-statemachine 3) if it declares one,
     #: else ``initial`` (which diagrams and paths keep drawing as the declared initial state)
@@ -283,7 +286,7 @@ class CompiledChart:
                     f"{self.name}: state={state!r}: the model answers naming-convention "
                     f"callback(s) {', '.join(map(repr, answered))}, which only the general run "
                     f"calls, and it starts in the chart's initial state")
-            saved = _saved_state(model)
+            saved = _saved_state(model, self.state_slots)
             if saved is not None:  # an instance would start there; this run would not
                 raise UnsupportedChart(
                     f"{self.name}: the model already holds state={saved!r} (a python-"
@@ -319,7 +322,7 @@ class CompiledChart:
             # a model that already holds a state (persisted, or a run before this one) starts
             # there, as a python-statemachine instance restores it (the state's value: its id
             # unless declared with value=)
-            saved = _saved_state(model)
+            saved = _saved_state(model, self.state_slots)
             if saved is None:
                 state = self.start or self.initial
             else:
@@ -397,27 +400,22 @@ def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[st
     return state
 
 
-def _saved_state(model: object) -> object:
+def _saved_state(model: object, slots: dict[type, bool]) -> object:
     """The state a model instance holds in its own ``state`` attribute (None: none): in its
     ``__dict__``, or in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a
     ``__dict__``: until stop 65 a slotted model's saved state was not read, and the run started
     in the initial state where an instance restores it). Only the instance's own attributes:
-    a class-level property (calexec's models read their run) is no saved state. The slot is
-    looked for once per class (``_state_slot``): ``JOB.run`` makes a run per job."""
+    a class-level property (calexec's models read their run) is no saved state. ``slots``:
+    the chart's ``state_slots``, where the slot is looked for once per model class."""
     own = getattr(model, "__dict__", None)
     if own and "state" in own:
         return own["state"]
-    if not _state_slot(type(model)):
-        return None
-    return getattr(model, "state", None)  # (an unset slot: none)
-
-
-@functools.lru_cache(maxsize=256)
-def _state_slot(cls: type) -> bool:
-    """``cls`` keeps ``state`` in a slot (its own or a base's). Cached, bounded: made for
-    each run, the look-up (``inspect.getattr_static``) made ``JOB.run`` of a slotted ``Job``
-    (each job's, and each buffer slot's and KV transaction's run) some ten times slower."""
-    return isinstance(inspect.getattr_static(cls, "state", None), MemberDescriptorType)
+    cls = type(model)
+    slotted = slots.get(cls)
+    if slotted is None:  # (a racing thread computes the same)
+        slotted = slots[cls] = isinstance(inspect.getattr_static(cls, "state", None),
+                                          MemberDescriptorType)
+    return getattr(model, "state", None) if slotted else None  # (an unset slot: none)
 
 
 #: One entry of a run's trail (``keep_trail``): ``(event, source, target, None, t)`` for a
