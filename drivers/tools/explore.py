@@ -78,16 +78,31 @@ if TYPE_CHECKING:
 WATCHDOG_ENV = "CALEXEC_EXPLORE_WATCHDOG_S"
 #: a test sets this instead of the environment (None: the environment's, or 60)
 WATCHDOG_S: float | None = None
+#: how a watchdog failure says to give a wait meant to be that long more time
+WATCHDOG_RAISE = (f"if the call is meant to take that long, raise the bound: "
+                  f"explore_threads(..., watchdog_s=120) (replay_threads too) or "
+                  f"{WATCHDOG_ENV}=120")
 
 
-def watchdog_s() -> float:
-    """The watchdog's seconds: ``WATCHDOG_S`` when set, else ``$CALEXEC_EXPLORE_WATCHDOG_S``
+def watchdog_s(given: float | None = None) -> float:
+    """The watchdog's seconds: ``given`` (a caller's ``watchdog_s=``) when not None, else
+    ``WATCHDOG_S`` when set, else ``$CALEXEC_EXPLORE_WATCHDOG_S``
     (unset or empty: 60). A value that is no finite number of seconds > 0 is a ``ValueError``
-    naming the variable and its value, before a schedule runs: read at import, ``5s`` failed
+    naming the variable (or ``watchdog_s``) and its value, before a schedule runs: read at
+    import, ``5s`` failed
     every import of the explorer with ``could not convert string to float: '5s'``, ``0`` or
     ``-1`` failed every schedule blaming its first thread ("did not reach a scheduling point
     within 0.0s real time ... an uncontrolled blocking call?") and ``inf`` raised an
     ``OverflowError`` from the scheduler."""
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, (int, float)):
+            raise TypeError(f"watchdog_s={given!r}: the real seconds a schedule may go "
+                            f"without any scheduling point, a number > 0 (or None: "
+                            f"${WATCHDOG_ENV}, else 60)")
+        if not (math.isfinite(given) and given > 0) or given > threading.TIMEOUT_MAX:
+            raise ValueError(f"watchdog_s={given!r}: the real seconds a schedule may go "
+                             f"without any scheduling point, finite and > 0 (e.g. 120)")
+        return float(given)
     if WATCHDOG_S is not None:
         return WATCHDOG_S
     text = os.environ.get(WATCHDOG_ENV, "").strip()
@@ -825,6 +840,9 @@ class Scheduler:
         #: it): another thread that is not a controlled one using a controlled object fails
         #: the schedule (``foreign``). None (the executor's explorer): not checked
         self.driver: threading.Thread | None = None
+        #: the real seconds a run may go without any scheduling point (None: ``watchdog_s()``,
+        #: the environment's); ``interleave`` sets a caller's ``watchdog_s=``
+        self.watchdog: float | None = None
 
     # -- from controlled threads --
     def me(self) -> CThread | None:
@@ -1024,7 +1042,7 @@ class Scheduler:
         can happen), budget, horizon or failure."""
         if self.aborting:
             return "failure"
-        watchdog = watchdog_s()  # (refused before any thread runs)
+        watchdog = watchdog_s(self.watchdog)  # (refused before any thread runs)
         self.budget = self.steps + steps
         self.horizon = self.now + horizon_s
         nxt = self._decide(None)
@@ -1063,7 +1081,7 @@ class Scheduler:
                 f"within {watchdog}s real time{blocked} (an uncontrolled blocking call? "
                 f"threading's and queue's own objects are not scheduled: make them with the "
                 f"clock, clock.lock(), rlock(), condition(lock), event(), semaphore(n), "
-                f"bounded_semaphore(n), queue(maxsize))\n{stack}")
+                f"bounded_semaphore(n), queue(maxsize)); {WATCHDOG_RAISE}\n{stack}")
 
     def abort_threads(self) -> None:
         """Tear down: every parked thread raises _Abort and ends."""

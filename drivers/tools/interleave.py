@@ -37,20 +37,26 @@ exploration, recorded, never raised in the threads: machines/chart_contracts.py)
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
 from calexec.drivers.tools.explore import (
+    WATCHDOG_RAISE,
     PCTChooser,
     ReplayChooser,
     Scheduler,
     TapeChooser,
     VirtualClock,
-    watchdog_s,
+)
+from calexec.drivers.tools.explore import (
+    watchdog_s as _watchdog_seconds,
 )
 from calexec.machines.chart_contracts import ContractMonitor, declared_contracts, enable_contracts
 from calexec.machines.clock import Clock
@@ -102,78 +108,148 @@ def _ask(check: Callable[[], Verdict], what: str) -> str | None:
 def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                  invariant: Callable[[], Verdict] | None = None,
                  charts: Iterable[ChartLike] = (), steps: int = 100_000,
-                 horizon_s: float = 60.0, seed: int | None = None) -> ScheduleFailure | None:
+                 horizon_s: float = 60.0, seed: int | None = None,
+                 watchdog_s: float | None = None) -> ScheduleFailure | None:
     """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
     contracts = enable_contracts(*_contracted(charts), raise_on_violation=False)
     try:
         return _run_schedule(scenario, chooser, contracts, invariant=invariant, steps=steps,
-                             horizon_s=horizon_s, seed=seed)
+                             horizon_s=horizon_s, seed=seed, watchdog=watchdog_s)
     finally:
         contracts.disable()
 
 
 def _run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser,
                   contracts: ContractMonitor, *, invariant: Callable[[], Verdict] | None,
-                  steps: int, horizon_s: float, seed: int | None) -> ScheduleFailure | None:
+                  steps: int, horizon_s: float, seed: int | None,
+                  watchdog: float | None = None) -> ScheduleFailure | None:
     """``run_schedule`` with the charts' contracts enabled already (``contracts``, perhaps
-    for many schedules: only the violations reported from this schedule's start count)."""
+    for many schedules: only the violations reported from this schedule's start count).
+
+    The scenario, the final check and an invariant checked before any thread runs are the
+    driver's, run in a thread of the explorer's that the caller waits for at most
+    ``watchdog`` real seconds (``watchdog_s()``) without a scheduling point: one that blocks
+    (a callback waiting on ``threading.Event`` nobody sets) hung the caller, and its test
+    run, for ever, where the scheduler's watchdog covers only the controlled threads."""
     sched = Scheduler(chooser)
-    sched.driver = threading.current_thread()  # the scenario and its final check run here
+    sched.watchdog = watchdog
     since = len(contracts.violations)
+    #: what the driver thread is doing; None: the controlled threads run (their watchdog's)
+    doing: list[str | None] = ["the scenario"]
+    raised: list[BaseException] = []
 
     def at_point() -> None:
         if len(contracts.violations) > since:
             raise AssertionError(f"chart contract violated: {contracts.violations[since]}")
         if invariant is not None:
-            problem = _ask(invariant, "invariant")
+            driving = threading.current_thread() is sched.driver
+            was = doing[0]
+            if driving:
+                doing[0] = "the invariant"
+            try:
+                problem = _ask(invariant, "invariant")
+            finally:
+                if driving:
+                    doing[0] = was
             if problem is not None:
                 raise AssertionError(problem)
 
+    def drive() -> None:
+        try:
+            _drive(sched, scenario, at_point, doing, steps=steps, horizon_s=horizon_s)
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            raised.append(err)
+        finally:
+            sched.abort_threads()
+
     sched.on_point = at_point
+    # (in the caller's context: a context variable it set reads the same in the scenario)
+    driver = threading.Thread(target=contextvars.copy_context().run, args=(drive,),
+                              name="explore-driver", daemon=True)
+    sched.driver = driver  # the scenario and its final check run there
+    limit = _watchdog_seconds(watchdog)
+    seen: tuple[str | None, int] = (doing[0], sched.steps)
+    driver.start()
     try:
-        final = scenario(VirtualClock(sched))
-        if final is not None and not callable(final):
-            raise TypeError(f"scenario returned {final!r}: a final check (a function of no "
-                            "arguments) or None")
-        stop = sched.run(steps, horizon_s)
-        if sched.failure is None:
-            at_point_failure = None
-            try:
-                at_point()
-            except AssertionError as err:
-                at_point_failure = str(err)
-            blocked = [t for t in sched.threads if not t.finished]
-            if at_point_failure is not None:
-                sched.fail(at_point_failure)
-            elif stop == "quiescent" and blocked:
-                sched.fail("deadlock: no thread can run and none has a deadline:\n"
-                           + sched.describe())
-            elif stop in ("budget", "horizon"):
-                sched.fail(f"the schedule did not finish ({stop}: {steps} steps, "
-                           f"{horizon_s} s of virtual time):\n{sched.describe()}")
-            elif final is not None:
-                problem = _ask(final, "final check")
-                if problem is not None:
-                    sched.fail(problem)
-    finally:
-        sched.abort_threads()
+        while True:
+            driver.join(limit)
+            if not driver.is_alive():
+                break
+            now = (doing[0], sched.steps)
+            if doing[0] is not None and now == seen:  # a whole watchdog with no progress
+                sched.fail(_driver_stuck(driver, doing[0], limit))
+                break
+            seen = now
+    finally:  # (stuck, or the caller interrupted: Ctrl-C): no controlled thread left parked
+        if driver.is_alive():
+            sched.abort_threads()
+    if raised:
+        raise raised[0]
     if sched.failure is None:
         return None
     return ScheduleFailure(sched.failure, seed, tuple(sched.choices), tuple(sched.trace[-40:]))
+
+
+def _drive(sched: Scheduler, scenario: Scenario, at_point: Callable[[], None],
+           doing: list[str | None], *, steps: int, horizon_s: float) -> None:
+    """The driver's part of a schedule: build the scenario, run the threads, check the end."""
+    final = scenario(VirtualClock(sched))
+    if final is not None and not callable(final):
+        raise TypeError(f"scenario returned {final!r}: a final check (a function of no "
+                        "arguments) or None")
+    doing[0] = None
+    stop = sched.run(steps, horizon_s)
+    doing[0] = "the final check"
+    if sched.failure is None:
+        at_point_failure = None
+        try:
+            at_point()
+        except AssertionError as err:
+            at_point_failure = str(err)
+        blocked = [t for t in sched.threads if not t.finished]
+        if at_point_failure is not None:
+            sched.fail(at_point_failure)
+        elif stop == "quiescent" and blocked:
+            sched.fail("deadlock: no thread can run and none has a deadline:\n"
+                       + sched.describe())
+        elif stop in ("budget", "horizon"):
+            sched.fail(f"the schedule did not finish ({stop}: {steps} steps, "
+                       f"{horizon_s} s of virtual time):\n{sched.describe()}")
+        elif final is not None:
+            problem = _ask(final, "final check")
+            if problem is not None:
+                sched.fail(problem)
+
+
+def _driver_stuck(driver: threading.Thread, doing: str, limit: float) -> str:
+    """The failure of a driver (the scenario, the final check, an invariant) that did not
+    return within ``limit`` real seconds, with where it is blocked."""
+    frame = sys._current_frames().get(driver.ident or -1)
+    stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
+    return (f"watchdog: {doing} did not return within {limit}s real time (a blocking call "
+            f"outside the controlled threads? {doing} runs in the explorer's own thread, with "
+            f"no controlled thread running, so a wait there on anything (threading's own "
+            f"objects, an event nobody sets, a callback of a chart it drives that waits) never "
+            f"ends: leave the waiting to a thread started with clock.start_thread); "
+            f"{WATCHDOG_RAISE}\n{stack}")
 
 
 def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), depth: int = 3,
                     length: int = 60, invariant: Callable[[], Verdict] | None = None,
                     charts: Iterable[ChartLike] = (), steps: int = 100_000,
                     horizon_s: float = 60.0,
-                    progress: Callable[[int, int], object] | None = None) -> Exploration:
+                    progress: Callable[[int, int], object] | None = None,
+                    watchdog_s: float | None = None) -> Exploration:
     """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
     ``depth - 1`` priority change points placed among the first ``length`` choices, as
     Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked.
     ``progress(schedules, seed)`` (optional) is called after each schedule that passed: a
-    long exploration (``seeds=itertools.count()``) can say how far it got."""
+    long exploration (``seeds=itertools.count()``) can say how far it got. ``watchdog_s``:
+    the real seconds a schedule may go without any scheduling point (a thread, the scenario,
+    a check blocked outside the scheduler) before it fails naming who blocked and where
+    (None: ``$CALEXEC_EXPLORE_WATCHDOG_S``, else 60)."""
     _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
-                  depth=depth, length=length)
+                  watchdog=watchdog_s, depth=depth, length=length)
     if depth > length:  # (PCTChooser samples its change points from a list that long:
         # depth=10**8 took gigabytes before the first schedule)
         raise ValueError(f"depth={depth!r}: at most length={length!r} (its depth - 1 priority "
@@ -196,7 +272,7 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
             failure = _run_schedule(scenario,
                                     PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
                                     contracts, invariant=invariant, steps=steps,
-                                    horizon_s=horizon_s, seed=seed)
+                                    horizon_s=horizon_s, seed=seed, watchdog=watchdog_s)
             if failure is not None:
                 return Exploration(count, failure)
             if progress is not None:
@@ -217,12 +293,14 @@ def _short_seeds(seeds: Iterable[int]) -> str:
 def replay_threads(scenario: Scenario, choices: Sequence[int], *,
                    invariant: Callable[[], Verdict] | None = None,
                    charts: Iterable[ChartLike] = (), steps: int = 100_000,
-                   horizon_s: float = 60.0) -> ScheduleFailure | None:
+                   horizon_s: float = 60.0,
+                   watchdog_s: float | None = None) -> ScheduleFailure | None:
     """Run ``scenario`` under the recorded ``choices`` (``ScheduleFailure.choices``): the same
     schedule, so the same failure (or None if the code no longer fails on it). ``ValueError``
     naming ``choices`` when they do not fit the scenario (a point offers fewer options than a
     choice picks): that is no failure of the code, nor a reproduction."""
-    _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant)
+    _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
+                  watchdog=watchdog_s)
     if isinstance(choices, (str, bytes)):
         raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
     choices = [_index("choices", choice) for choice in choices]
@@ -230,7 +308,7 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
     chooser = ReplayChooser(list(choices))
     try:
         found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
-                             steps=steps, horizon_s=horizon_s)
+                             steps=steps, horizon_s=horizon_s, watchdog_s=watchdog_s)
     except RuntimeError:
         # a choice that does not fit the schedule's first point raises in the scheduler's
         # own loop (the caller's thread), not in a controlled thread: the same refusal below
@@ -286,7 +364,7 @@ def _index(name: str, value: object) -> int:
 
 
 def _check_bounds(scenario: object, *, steps: int, horizon_s: float, invariant: object,
-                  **counts: int) -> None:
+                  watchdog: float | None = None, **counts: int) -> None:
     """Refuse, naming the argument and its value, a ``scenario`` that is not callable, and a
     bound no schedule can run under: ``steps``
     and every count (``depth``, ``length``) an integer >= 1, ``horizon_s`` a finite number of
@@ -294,7 +372,8 @@ def _check_bounds(scenario: object, *, steps: int, horizon_s: float, invariant: 
     if not callable(scenario):
         raise TypeError(f"scenario={scenario!r}: a function of the clock that builds the code "
                         "under test (def scenario(clock): ...)")
-    watchdog_s()  # $CALEXEC_EXPLORE_WATCHDOG_S: refused, named, before any schedule runs
+    # watchdog_s= (or $CALEXEC_EXPLORE_WATCHDOG_S): refused, named, before any schedule runs
+    _watchdog_seconds(watchdog)
     for name, value in {"steps": steps, **counts}.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}={value!r}: an integer >= 1")
