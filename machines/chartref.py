@@ -65,6 +65,14 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                     else f"; {ref!r} is a file path, not a module name: run from the directory "
                     f"that holds it and name its module and a chart class it declares after a "
                     f"colon, {stem}:CLASS")
+        elif not sep and ("/" in ref or os.sep in ref or ref.endswith(".py")):
+            # nope.py, src/nope.py: no such file (and no module): its ".py" is no class either
+            # (a missing nope.py was answered "did you mean 'nope:py'?")
+            root = os.path.abspath(cwd or os.getcwd())
+            stem = os.path.splitext(os.path.basename(ref))[0] or ref
+            hint = (f"; {ref!r} is no file in {root} (nor a module): name the module that "
+                    f"declares the chart, as imported from there, and the class after a "
+                    f"colon, e.g. {stem}:CLASS for {stem}.py")
         raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
                                  "that declares it (e.g. order_workflow:OrderWorkflow)" + hint)
     root = os.path.abspath(cwd or os.getcwd())

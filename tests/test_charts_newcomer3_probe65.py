@@ -5,10 +5,12 @@ does not exist, and ``charts draw`` refusing an invoked ``timeout()`` without a 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 from statemachine import State, StateChart
 
+from calexec.cli import main as cli
 from calexec.drivers.tools import explore
 from calexec.drivers.tools.interleave import explore_threads, replay_threads
 
@@ -105,3 +107,18 @@ def test_the_watchdog_is_an_argument_of_the_exploration_and_the_replay() -> None
         with pytest.raises(error, match=rf"^watchdog_s={bad!r}: the real seconds"):
             replay_threads(stuck, [], watchdog_s=bad)
     assert ran == []
+
+
+def test_a_chart_file_that_does_not_exist_is_named_as_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``calexec charts paths nope.py`` (no such file) answered "did you mean 'nope:py'?", its
+    extension offered as a class; the existing file was fixed at this stop."""
+    monkeypatch.chdir(tmp_path)
+    for given, stem in (("nope.py", "nope"), ("src/nope.py", "nope"), ("./nope.py", "nope")):
+        assert cli(["charts", "paths", given]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert "did you mean" not in line, line
+        assert line.endswith(f"{given!r} is no file in {tmp_path} (nor a module): name the "
+                             f"module that declares the chart, as imported from there, and "
+                             f"the class after a colon, e.g. {stem}:CLASS for {stem}.py"), line
