@@ -495,8 +495,20 @@ def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
         raise UnsupportedChart(f"{declaration.__name__}: {'; '.join(wrong)}")
     found = unsupported(declaration, runs)
     if found:
+        remedy = (f" ({INVOKE_REMEDY})" if any(entry.startswith("invoke ") for entry in found)
+                  else "")
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "
-                               f"{'; '.join(found)}")
+                               f"{'; '.join(found)}{remedy}")
+
+
+#: what to do about a refused invoke, said after its refusal: python-statemachine runs an
+#: invoke in a thread of its own as its state is entered and sends the event it ends with
+#: (``timeout(5, on='expired')`` sends ``expired``), which no tool follows
+INVOKE_REMEDY = ("an invoke runs as its state is entered, in python-statemachine's own thread, "
+                 "and sends its event from there, which no tool follows: drop invoke= and send "
+                 "that event from your own code, e.g. for timeout(5, on='expired') keep the "
+                 "transition on 'expired' and have a timer of yours call send('expired') "
+                 "5 s after the state is entered")
 
 
 def alive(declaration: type) -> list[StateChart[Any]]:

@@ -76,6 +76,7 @@ from statemachine.signature import SignatureAdapter
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import (
+    INVOKE_REMEDY,
     ChartTransitionError,
     GuardRejected,
     IllegalTransition,
@@ -396,7 +397,7 @@ class StatechartRun:
                    for callback in self._registry[visited.invoke.key]]
         if invokes:
             raise UnsupportedChart(f"{chart.name}: the compiled form does not support yet: "
-                                   f"{'; '.join(invokes)}")
+                                   f"{'; '.join(invokes)} ({INVOKE_REMEDY})")
         self._start(**start_kwargs)
 
     # ---- skeletons: the structure of the chart, for paths (machines/paths.py)

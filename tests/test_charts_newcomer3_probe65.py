@@ -122,3 +122,33 @@ def test_a_chart_file_that_does_not_exist_is_named_as_no_file(
         assert line.endswith(f"{given!r} is no file in {tmp_path} (nor a module): name the "
                              f"module that declares the chart, as imported from there, and "
                              f"the class after a colon, e.g. {stem}:CLASS for {stem}.py"), line
+
+
+TIMED = '''
+from statemachine import State, StateChart
+from statemachine.contrib.timeout import timeout
+
+
+class Gate(StateChart):
+    waiting = State(initial=True, invoke=timeout(5, on="expired"))
+    closed = State(final=True)
+    expired = waiting.to(closed)
+'''
+
+
+def test_charts_draw_refusing_an_invoked_timeout_says_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts draw`` of a chart with ``invoke=timeout(5, on="expired")`` said only "does not
+    support yet: invoke timeout(5, on='expired') on state 'waiting'"."""
+    name = f"gate_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(TIMED, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli(["charts", "draw", f"{name}:Gate", "--out", str(tmp_path / "d")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "invoke timeout(5, on='expired') on state 'waiting' (an invoke runs as its state is "\
+        "entered" in line, line
+    assert line.endswith("drop invoke= and send that event from your own code, e.g. for "
+                         "timeout(5, on='expired') keep the transition on 'expired' and have a "
+                         "timer of yours call send('expired') 5 s after the state is entered)"), line

@@ -15,7 +15,13 @@ from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams, mutants
-from calexec.machines.chart_support import UnsupportedChart, actions, hierarchical, unsupported
+from calexec.machines.chart_support import (
+    INVOKE_REMEDY,
+    UnsupportedChart,
+    actions,
+    hierarchical,
+    unsupported,
+)
 from calexec.machines.compiled import ChartTransitionError, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, track
 from calexec.machines.paths import transition_paths
@@ -204,7 +210,7 @@ def test_commands_refuse_an_unsupported_chart_in_one_line(tmp_path, monkeypatch,
     assert cli(["charts", command, "nested_chart:Nested"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"calexec charts {command}: Nested: the compiled form does not support yet: "
-                   "invoke 'work' on state 'start'"]
+                   f"invoke 'work' on state 'start' ({INVOKE_REMEDY})"]
 
 
 class Checkout(StateChart):
