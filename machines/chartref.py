@@ -87,6 +87,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: run "
                             f"from the directory that holds it and name the module "
                             f"(e.g. {stem}:{class_name})")
+    if module_name.endswith(".py") and not _is_module_file(root, module_name):
+        # nope.py:Door with no nope.py there: "No module named 'nope'" named neither
+        stem = os.path.splitext(os.path.basename(module_name))[0] or module_name
+        raise ChartRefError(ref, f"{module_name!r} is no file in {root} (nor a module): name "
+                            f"the module that declares the chart, as imported from there, "
+                            f"without .py (e.g. {stem}:{class_name} for {stem}.py)")
     if root not in sys.path:
         sys.path.insert(0, root)
     with _interrupts() as interrupted:

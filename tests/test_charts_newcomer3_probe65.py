@@ -122,6 +122,12 @@ def test_a_chart_file_that_does_not_exist_is_named_as_no_file(
         assert line.endswith(f"{given!r} is no file in {tmp_path} (nor a module): name the "
                              f"module that declares the chart, as imported from there, and "
                              f"the class after a colon, e.g. {stem}:CLASS for {stem}.py"), line
+    # with its class: "cannot import module 'nope.py' ... No module named 'nope'"
+    assert cli(["charts", "paths", "nope.py:Door"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith(f"'nope.py:Door': 'nope.py' is no file in {tmp_path} (nor a module): "
+                         f"name the module that declares the chart, as imported from there, "
+                         f"without .py (e.g. nope:Door for nope.py)"), line
 
 
 TIMED = '''
