@@ -48,13 +48,6 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             # mypkg.charts.orders: a module, not a module and its class
             hint = (f"; {ref!r} is a module: name a chart class it declares after a colon, "
                     f"{ref}:CLASS")
-        elif not sep and ref.endswith(".py") and not os.path.isfile(
-                os.path.join(os.path.abspath(cwd or os.getcwd()), ref)):
-            # nodoors.py, a file that is not there: 'nodoors:py' offered its ".py" as a class
-            stem = os.path.splitext(os.path.basename(ref))[0] or ref
-            hint = (f"; {ref!r} is a file path, not a module name, and no such file is in "
-                    f"{os.path.abspath(cwd or os.getcwd())}: name a module and a chart class it "
-                    f"declares after a colon, e.g. {stem}:CLASS")
         elif not sep and ("/" in ref or os.sep in ref or ref.endswith(".py")) and os.path.isfile(
                 os.path.join(os.path.abspath(cwd or os.getcwd()), ref)):
             # enums.py, src/enums.py: a file, whose ".py" read as a class ('enums:py')

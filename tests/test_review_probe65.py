@@ -75,6 +75,6 @@ def test_a_chart_file_that_is_not_there_is_not_offered_with_py_as_its_class(
         assert cli(["charts", "paths", given]) == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert "did you mean" not in line and ":py" not in line, line
-        assert line.endswith(f"{given!r} is a file path, not a module name, and no such file "
-                             f"is in {tmp_path}: name a module and a chart class it declares "
-                             f"after a colon, e.g. {stem}:CLASS"), line
+        assert line.endswith(f"{given!r} is no file in {tmp_path} (nor a module): name the "
+                             f"module that declares the chart, as imported from there, and "
+                             f"the class after a colon, e.g. {stem}:CLASS for {stem}.py"), line
