@@ -669,8 +669,10 @@ def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: s
     """The UTF-8 text of the small input file ``flag`` names (a token file, a TOML list): a
     regular file or a pipe (``<(command)``), at most ``limit`` bytes. Refused in one line
     naming ``flag`` and its value (UserError, exit 2), never a hang or a read without end: a
-    directory, a device (``/dev/zero``), a longer file, text that is not UTF-8. A FIFO no one
-    writes to reads as empty (opened without waiting for a writer)."""
+    directory, a device (``/dev/zero``), a longer file, text that is not UTF-8, a FIFO that
+    gave nothing (opened without waiting for a writer: one no process writes to is told apart
+    from an empty file, which it is not). A leading UTF-8 byte order mark (an editor's, as
+    Notepad saves) is not part of the text."""
     given = os.fsdecode(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: do not wait for a writer)
@@ -679,9 +681,10 @@ def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: s
                         f"{getattr(exc, 'strerror', None) or exc}") from None
     try:
         mode = os.fstat(fd).st_mode
+        fifo = stat.S_ISFIFO(mode)
         if stat.S_ISDIR(mode):
             raise UserError(f"{flag}={given!r}: is a directory, not {what}")
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        if not (stat.S_ISREG(mode) or fifo):
             raise UserError(f"{flag}={given!r}: not a regular file ({stat.filemode(mode)}), "
                             f"not {what}")
         os.set_blocking(fd, True)
@@ -695,8 +698,12 @@ def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: s
         os.close(fd)
     if size > limit:
         raise UserError(f"{flag}={given!r}: longer than {limit} bytes, not {what}")
+    if fifo and size == 0:  # (said "is empty" of a FIFO whose writer had not started yet)
+        raise UserError(f"{flag}={given!r}: a FIFO that gave nothing (no process was writing to "
+                        f"it when it was read); give a regular file, or start the writer first "
+                        f"(a shell's <(command) is one)")
     try:
-        return b"".join(chunks).decode("utf-8")
+        return b"".join(chunks).decode("utf-8-sig")  # (-sig: a leading BOM is dropped)
     except UnicodeDecodeError as exc:
         raise UserError(f"{flag}={given!r}: not UTF-8 text ({exc.reason} at byte "
                         f"{exc.start}), not {what}") from None

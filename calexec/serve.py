@@ -229,6 +229,10 @@ def _admin_token(path: Path | None) -> str | None:
                                     "an admin token file").strip()
     if not token:
         raise ValueError(f"--admin-token-file={str(path)!r} is empty")
+    lines = len(token.splitlines())
+    if lines > 1:  # (was "the token has U+000A at character 4", the file's second line unsaid)
+        raise ValueError(f"--admin-token-file={str(path)!r} holds {lines} lines: the file "
+                         "holds the token alone, on one line")
     problem = api_key_problem(token)  # a token no request could match locks the admin out
     if problem is not None:
         raise ValueError(f"--admin-token-file={str(path)!r}: the token {problem}")

@@ -970,8 +970,8 @@ def _binary(tmp_path: Path) -> str:
     # waited for a writer forever / read /dev/zero without end (memory, then the 20 s probe)
     (["serve", "--once", "--tokenizer", "{fifo}"], "--tokenizer='{fifo}': it is not a regular file"),
     (["serve", "--once", "--tokenizer", "/dev/zero"], "--tokenizer='/dev/zero': it is not a regular"),
-    # a FIFO no one writes to: empty (a pipe, `<(command)`, is still read); /dev/zero: refused
-    (["serve", "--once", "--admin-token-file", "{fifo}"], "--admin-token-file='{fifo}' is empty"),
+    # a FIFO no one writes to: gave nothing (a pipe, `<(command)`, is still read); /dev/zero: refused
+    (["serve", "--once", "--admin-token-file", "{fifo}"], "--admin-token-file='{fifo}': a FIFO that gave"),
     (["serve", "--once", "--admin-token-file", "/dev/zero"],
      "--admin-token-file='/dev/zero': not a regular file"),
     # hung on the FIFO; /dev/zero: "internal error: MemoryError", exit 70

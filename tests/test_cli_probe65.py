@@ -1,0 +1,84 @@
+"""What the CLI probe of stop 65 found in the command-line entry points, each pinned
+(docs/traceability.md, "Found at stop 65 (cli)")."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from calexec import cliargs
+from calexec.drivers.tools.charts_mutate import load_equivalents
+from test_cli import calexec, one_line
+
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+
+
+@needs_fifo
+def test_a_token_file_that_is_a_fifo_no_one_writes_to_is_not_called_empty(tmp_path):
+    """``serve --admin-token-file FIFO`` whose writer has not started said ``is empty``: the
+    user looked at a file that is not empty (it is no file) and at a writer they had not yet
+    started; the line says it is a FIFO that gave nothing and what to give instead."""
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo)
+    done = calexec("serve", "--once", "--admin-token-file", str(fifo), timeout=60)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == (f"calexec serve: --admin-token-file={str(fifo)!r}: a FIFO that gave nothing "
+                    "(no process was writing to it when it was read); give a regular file, or "
+                    "start the writer first (a shell's <(command) is one)"), line
+
+
+@needs_fifo
+def test_a_small_text_file_loses_its_byte_order_mark_and_a_pipe_still_reads():
+    """A token file (or an ``--equivalent`` TOML) saved with a UTF-8 byte order mark, as
+    Notepad writes one: the mark is an encoding's, not the text's. It was kept, and the token
+    refused as ``has U+FEFF at character 1`` (a character no editor shows), the TOML as
+    ``Invalid statement (at line 1, column 1)``."""
+    for payload, text in ((b"\xef\xbb\xbfsecret\r\n", "secret\r\n"),
+                          (b"secret\n", "secret\n"),
+                          (b"a\xef\xbb\xbfb", "a\ufeffb")):  # (only a leading one is the mark's)
+        read, write = os.pipe()
+        os.write(write, payload)
+        os.close(write)
+        try:
+            assert cliargs.read_small_text("--x", f"/dev/fd/{read}", 64, "a token") == text
+        finally:
+            os.close(read)
+
+
+def test_a_token_file_with_a_byte_order_mark_is_read_as_its_token(tmp_path):
+    """The refusal the mark brought at ``serve`` start, gone: a token file written by an
+    editor with a BOM and CRLF passes the token check (here ended by the two-line refusal
+    below, so no server starts: the BOM is no longer what is named)."""
+    token = tmp_path / "token"
+    token.write_bytes(b"\xef\xbb\xbfs3cret\r\nsecond\r\n")
+    token.chmod(0o600)
+    done = calexec("serve", "--once", "--admin-token-file", str(token), timeout=60)
+    line = one_line(done.stderr)
+    assert done.returncode == 2 and "U+FEFF" not in line, line
+
+
+def test_a_token_file_of_two_lines_says_so(tmp_path):
+    """``--admin-token-file`` holding two lines (a token and a comment, two tokens) was
+    refused as ``the token has U+000A at character 7, not printable ASCII: HTTP headers are
+    latin-1 ...``: a newline named as a code point; it now says the file holds 2 lines."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\nold-token\n")
+    token.chmod(0o600)
+    done = calexec("serve", "--once", "--admin-token-file", str(token), timeout=60)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == (f"calexec serve: --admin-token-file={str(token)!r} holds 2 lines: the file "
+                    "holds the token alone, on one line"), line
+    assert "s3cret" not in done.stderr  # (the token is never echoed)
+
+
+@needs_fifo
+def test_an_equivalent_file_that_is_a_fifo_no_one_writes_to_is_refused(tmp_path):
+    """``charts mutate --equivalent FIFO`` with no writer read as an empty TOML: no mutant
+    was declared equivalent, silently, and the run went on; now refused before any run."""
+    fifo = tmp_path / "eq.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="a FIFO that gave nothing"):
+        load_equivalents(fifo)
