@@ -82,3 +82,32 @@ def test_an_equivalent_file_that_is_a_fifo_no_one_writes_to_is_refused(tmp_path)
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="a FIFO that gave nothing"):
         load_equivalents(fifo)
+
+
+@needs_fifo
+def test_an_interrupted_build_lets_its_group_clean_up_before_it_is_killed(tmp_path):
+    """A Ctrl-C (or SIGTERM) during ``conform``'s or ``bench overhead``'s build killed make's
+    process group with SIGKILL at once: gcc's temporary files (``/tmp/ccXXXX.s``, ``.o``)
+    stayed behind at every interrupted build. The group is now told SIGTERM first (gcc and
+    make clean up on it), SIGKILL only for what is left after a grace. Here a program that
+    cleans up on SIGTERM: it says it is ready through a FIFO, this process is then
+    interrupted, and its cleanup must have run."""
+    import signal
+    import threading
+
+    from calexec.drivers.tools.bench.subproc import run_group
+
+    ready, mark = tmp_path / "ready", tmp_path / "cleaned"
+    os.mkfifo(ready)
+    script = (f"trap 'echo cleaned > {mark}; exit 143' TERM; echo ready > {ready}; "
+              "while :; do sleep 1; done")
+
+    def interrupt_once_ready() -> None:
+        with open(ready) as fifo:  # (returns once the program has its trap set and writes)
+            fifo.read()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_ready, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_group(["sh", "-c", script], timeout=60)
+    assert mark.read_text() == "cleaned\n"

@@ -13,12 +13,31 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
+#: how long a group told to end (SIGTERM) has to clean up before it is killed (SIGKILL)
+TERM_GRACE_S = 2.0
 
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
+
+def _signal_group(proc: subprocess.Popen[Any], sig: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):  # (already gone)
         pass
+
+
+def _kill_group(proc: subprocess.Popen[Any]) -> None:
+    """End ``proc``'s process group: SIGTERM first, so what it runs cleans up (gcc removes its
+    temporary ``/tmp/cc*.s``, make the target it was writing; killed outright they were left
+    behind at every interrupted build), then, at most :data:`TERM_GRACE_S` later, SIGKILL
+    for whatever of the group is still there (a program that ignores SIGTERM)."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    except KeyboardInterrupt:  # (a second Ctrl-C: no more grace)
+        _signal_group(proc, signal.SIGKILL)
+        raise
+    _signal_group(proc, signal.SIGKILL)
 
 
 def run_group(argv: Sequence[str], timeout: float | None = None,
