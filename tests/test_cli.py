@@ -148,7 +148,7 @@ def _bad_manifest(tmp_path: Path) -> str:
     (["demo", "--manifest", "/nonexistent.toml"], "--manifest='/nonexistent.toml'"),
     (["accept", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
     (["bench", "overhead", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
-    (["conform", "--runtime-lib", "/nonexistent"], "--lib='/nonexistent': does not exist"),
+    (["conform", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent': does not exist"),
     (["accept", "--soak-seconds", "inf"], "--soak-seconds"),
     # issue 24 item 7: keys no request could ever match (headers are latin-1, clients ASCII)
     (["serve", "--once", "--api-key", "caf\u00e9-key"], "--api-key has U+00E9 at character 4"),

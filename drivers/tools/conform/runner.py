@@ -10,6 +10,7 @@ bad flag (``--lib`` that is no file, or that Python cannot load as a calrt.h lib
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -138,10 +139,20 @@ def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
     return ["conformance.md", "conformance.json", *written]
 
 
+class _SpelledAs(argparse.Action):
+    """Store the value, and in ``lib_flag`` the spelling the flag was given as (``--lib`` or
+    ``--runtime-lib``, the name every other command has), so a refusal names what was typed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.lib_flag = option_string or self.option_strings[0]
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     p = cliargs.parser("calexec conform", __doc__)
-    p.add_argument("--lib", "--runtime-lib", dest="lib", metavar="PATH",
+    p.add_argument("--lib", "--runtime-lib", dest="lib", metavar="PATH", action=_SpelledAs,
                    help=f"shared library implementing calrt.h (default: ${ENV_LIB}, else build "
                         "the bundled emulator)")
     p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
@@ -154,10 +165,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--only", action="append", choices=list(EXPERIMENTS), help="run only this experiment (repeat)")
     p.add_argument("--timeout", type=cliargs.seconds,
                    help="seconds per experiment child (default 30 quick / 120)")
+    p.set_defaults(lib_flag="--lib")
     args = p.parse_args(argv[1:])
+    flag = args.lib_flag  # (as typed: `--runtime-lib X`, as every other command, was `--lib=X`)
     if args.lib == "":  # (not the default: an unset variable in a script)
-        raise cliargs.UserError("--lib='': empty (omit the flag to build the bundled emulator)")
-    flag = "--lib"
+        raise cliargs.UserError(f"{flag}='': empty (omit the flag to build the bundled emulator)")
     if args.lib is None and os.environ.get(ENV_LIB):  # as every command that opens a device
         # (conform built and measured the bundled emulator whatever the variable named)
         args.lib, flag = os.environ[ENV_LIB], f"${ENV_LIB}"
