@@ -60,7 +60,9 @@ def chromium_capture(url: str, workdir: str, screenshot: str | None = None,
             "--disable-sync", f"--user-data-dir={os.path.join(workdir, 'profile')}",
             f"--virtual-time-budget={budget_ms}", f"--window-size={size[0]},{size[1]}"]
     argv += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-    return _run_bounded(argv + [url], timeout, {**os.environ, "HOME": workdir})
+    # its temporary files in workdir (removed with it): the org.chromium.Chromium.* directory
+    # it makes in $TMPDIR stayed there when a Ctrl-C or a timeout killed it
+    return _run_bounded(argv + [url], timeout, {**os.environ, "HOME": workdir, "TMPDIR": workdir})
 
 
 def main(argv: list[str]) -> int:
