@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,40 @@ def test_mutants_derive_refuses_a_targets_per_transition_it_cannot_mean(bad):
     with pytest.raises((ValueError, TypeError), match=r"targets_per_transition="):
         mutants.derive(OrderWorkflow, bad)
     assert len(mutants.derive(OrderWorkflow, 0)) > len(mutants.derive(OrderWorkflow, 2)) > 0
+
+
+def test_readme_states_the_decode_us_range_each_command_takes():
+    """README "Commands" gives each command's ``--decode-us`` range; each is the range that
+    command takes (stop 65: it gave every command the emulator's 0..60000000, and
+    ``calexec bench overhead --decode-us 0`` or ``--decode-us 2000000`` was refused)."""
+    import argparse
+
+    from calexec import cliargs
+    from calexec.drivers.tools.bench import core, soak
+
+    def takes(check: Callable[[int], object], value: int) -> bool:
+        try:
+            check(value)
+        except (ValueError, argparse.ArgumentTypeError):
+            return False
+        return True
+
+    checks: dict[str, Callable[[int], object]] = {
+        "demo": lambda us: cliargs.latency_us(str(us)),
+        "bench server": lambda us: cliargs.latency_us(str(us)),
+        "bench overhead": lambda us: core.decode_profiles([str(us)]),
+        "bench soak": lambda us: soak.parse_phases(str(us)),
+    }
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text(encoding="utf-8"))
+    stated = re.search(r"an emulated latency \(`--decode-us`\) (.*?) \(docs/benchmarks\.md", text)
+    assert stated is not None, "README no longer states the --decode-us ranges"
+    ranges = {}
+    # each range, then the commands it is for: "0..N us (...) for `demo` and `bench server`"
+    for bounds in re.finditer(r"(\d+)\.\.(\d+) us(.*?)(?=\d+\.\.\d+ us|$)", stated.group(1)):
+        for name in re.findall(r"`([a-z ]+)`", bounds.group(3)):
+            ranges[name] = (int(bounds.group(1)), int(bounds.group(2)))
+    assert set(ranges) == set(checks), ranges
+    for name, (lo, hi) in ranges.items():
+        check = checks[name]
+        assert takes(check, lo) and takes(check, hi), (name, lo, hi)
+        assert not takes(check, lo - 1) and not takes(check, hi + 1), (name, lo, hi)
