@@ -83,6 +83,7 @@ from calexec.machines.chart_support import (
     UnsupportedChart,
     class_listeners,
 )
+from calexec.machines.error_events import report_untaken
 from calexec.machines.guard_expr import holds
 
 if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
@@ -648,6 +649,8 @@ class StatechartRun:
             took_events = True
         if not self.running:
             self._external.clear()
+            while self._internal:  # stopped (a top-level final state): never taken
+                report_untaken(self.machine, self._internal.popleft())
         return None if first_result is _NOTHING else first_result
 
     def _clear_queues(self) -> None:
@@ -700,6 +703,8 @@ class StatechartRun:
                     return took_events
                 trigger = self._internal.popleft()
                 enabled = self._select(trigger, eventless=False)
+                if not enabled:  # an error.execution dropped: heard by the explorer
+                    report_untaken(self.machine, trigger)
             if enabled:
                 took_events = True
                 self._microstep(list(enabled), trigger)
