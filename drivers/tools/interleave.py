@@ -31,8 +31,11 @@ controlled world: it may take the code's lock when free (no scheduling point), a
 the schedule, naming the holder. Any exception a controlled thread raises fails the
 schedule; so does a thread not started by ``clock.start_thread`` using the clock's objects
 (its steps would be neither scheduled nor replayed), a deadlock (threads blocked for good),
-and a chart contract violated by a run of ``charts`` (their contracts are enabled for the
-exploration, recorded, never raised in the threads: machines/chart_contracts.py).
+a chart contract violated by a run of ``charts`` (their contracts are enabled for the
+exploration, recorded, never raised in the threads: machines/chart_contracts.py), and a
+``StateChart`` callback's error that no transition takes: python-statemachine turns it into
+the internal ``error.execution`` event and drops that when no transition takes it
+(machines/error_events.py hears it; ``ignore_unhandled_errors=True`` lets it pass).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from calexec.drivers.tools.explore import (
 from calexec.machines.chart_contracts import ContractMonitor, declared_contracts, enable_contracts
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import ChartLike, compiled
+from calexec.machines.error_events import ErrorMonitor, watch_unhandled_errors
 
 #: what a scenario's final check or invariant returns: True/None (holds), False or a message
 Verdict = bool | str | None
@@ -109,20 +113,27 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                  invariant: Callable[[], Verdict] | None = None,
                  charts: Iterable[ChartLike] = (), steps: int = 100_000,
                  horizon_s: float = 60.0, seed: int | None = None,
-                 watchdog_s: float | None = None) -> ScheduleFailure | None:
+                 watchdog_s: float | None = None,
+                 ignore_unhandled_errors: bool = False) -> ScheduleFailure | None:
     """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
+    _check_flag(ignore_unhandled_errors)
     contracts = enable_contracts(*_contracted(charts), raise_on_violation=False)
+    errors = None if ignore_unhandled_errors else watch_unhandled_errors()
     try:
         return _run_schedule(scenario, chooser, contracts, invariant=invariant, steps=steps,
-                             horizon_s=horizon_s, seed=seed, watchdog=watchdog_s)
+                             horizon_s=horizon_s, seed=seed, watchdog=watchdog_s,
+                             errors=errors)
     finally:
+        if errors is not None:
+            errors.disable()
         contracts.disable()
 
 
 def _run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser,
                   contracts: ContractMonitor, *, invariant: Callable[[], Verdict] | None,
                   steps: int, horizon_s: float, seed: int | None,
-                  watchdog: float | None = None) -> ScheduleFailure | None:
+                  watchdog: float | None = None,
+                  errors: ErrorMonitor | None = None) -> ScheduleFailure | None:
     """``run_schedule`` with the charts' contracts enabled already (``contracts``, perhaps
     for many schedules: only the violations reported from this schedule's start count).
 
@@ -134,6 +145,8 @@ def _run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser,
     sched = Scheduler(chooser)
     sched.watchdog = watchdog
     since = len(contracts.violations)
+    #: the error.execution events no transition took before this schedule (not its own)
+    dropped = len(errors.unhandled) if errors is not None else 0
     #: what the driver thread is doing; None: the controlled threads run (their watchdog's)
     doing: list[str | None] = ["the scenario"]
     raised: list[BaseException] = []
@@ -141,6 +154,10 @@ def _run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser,
     def at_point() -> None:
         if len(contracts.violations) > since:
             raise AssertionError(f"chart contract violated: {contracts.violations[since]}")
+        if errors is not None and len(errors.unhandled) > dropped:
+            raise AssertionError(f"unhandled error.execution: {errors.unhandled[dropped]}; "
+                                 f"a chart that means to drop it: explore with "
+                                 f"ignore_unhandled_errors=True")
         if invariant is not None:
             driving = threading.current_thread() is sched.driver
             was = doing[0]
@@ -239,7 +256,8 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
                     charts: Iterable[ChartLike] = (), steps: int = 100_000,
                     horizon_s: float = 60.0,
                     progress: Callable[[int, int], object] | None = None,
-                    watchdog_s: float | None = None) -> Exploration:
+                    watchdog_s: float | None = None,
+                    ignore_unhandled_errors: bool = False) -> Exploration:
     """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
     ``depth - 1`` priority change points placed among the first ``length`` choices, as
     Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked.
@@ -247,9 +265,13 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
     long exploration (``seeds=itertools.count()``) can say how far it got. ``watchdog_s``:
     the real seconds a schedule may go without any scheduling point (a thread, the scenario,
     a check blocked outside the scheduler) before it fails naming who blocked and where
-    (None: ``$CALEXEC_EXPLORE_WATCHDOG_S``, else 60)."""
+    (None: ``$CALEXEC_EXPLORE_WATCHDOG_S``, else 60). A ``StateChart`` callback's error
+    that no transition takes (its ``error.execution`` event, dropped by python-statemachine)
+    fails the schedule, naming the chart, the callback and the error;
+    ``ignore_unhandled_errors=True``: a chart that means to drop them passes."""
     _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
                   watchdog=watchdog_s, depth=depth, length=length)
+    _check_flag(ignore_unhandled_errors)
     if depth > length:  # (PCTChooser samples its change points from a list that long:
         # depth=10**8 took gigabytes before the first schedule)
         raise ValueError(f"depth={depth!r}: at most length={length!r} (its depth - 1 priority "
@@ -266,18 +288,22 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
     # instances made before (gc.get_referrers, a walk of the whole heap), which was most of a
     # small scenario's schedule in a large process (a test session)
     contracts = enable_contracts(*charts, raise_on_violation=False)
+    errors = None if ignore_unhandled_errors else watch_unhandled_errors()
     try:
         for seed in map(functools.partial(_index, "seeds"), seeds):  # lazily: count() may go on
             count += 1
             failure = _run_schedule(scenario,
                                     PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
                                     contracts, invariant=invariant, steps=steps,
-                                    horizon_s=horizon_s, seed=seed, watchdog=watchdog_s)
+                                    horizon_s=horizon_s, seed=seed, watchdog=watchdog_s,
+                                    errors=errors)
             if failure is not None:
                 return Exploration(count, failure)
             if progress is not None:
                 progress(count, seed)
     finally:
+        if errors is not None:
+            errors.disable()
         contracts.disable()
     if count == 0:  # (an exploration that passed having run nothing would look checked)
         raise ValueError(f"seeds={_short_seeds(seeds)}: no seed, so no schedule ran (give "
@@ -294,13 +320,15 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
                    invariant: Callable[[], Verdict] | None = None,
                    charts: Iterable[ChartLike] = (), steps: int = 100_000,
                    horizon_s: float = 60.0,
-                   watchdog_s: float | None = None) -> ScheduleFailure | None:
+                   watchdog_s: float | None = None,
+                   ignore_unhandled_errors: bool = False) -> ScheduleFailure | None:
     """Run ``scenario`` under the recorded ``choices`` (``ScheduleFailure.choices``): the same
     schedule, so the same failure (or None if the code no longer fails on it). ``ValueError``
     naming ``choices`` when they do not fit the scenario (a point offers fewer options than a
     choice picks): that is no failure of the code, nor a reproduction."""
     _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
                   watchdog=watchdog_s)
+    _check_flag(ignore_unhandled_errors)
     if isinstance(choices, (str, bytes)):
         raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
     choices = [_index("choices", choice) for choice in choices]
@@ -308,7 +336,8 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
     chooser = ReplayChooser(list(choices))
     try:
         found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
-                             steps=steps, horizon_s=horizon_s, watchdog_s=watchdog_s)
+                             steps=steps, horizon_s=horizon_s, watchdog_s=watchdog_s,
+                             ignore_unhandled_errors=ignore_unhandled_errors)
     except RuntimeError:
         # a choice that does not fit the schedule's first point raises in the scheduler's
         # own loop (the caller's thread), not in a controlled thread: the same refusal below
@@ -385,3 +414,10 @@ def _check_bounds(scenario: object, *, steps: int, horizon_s: float, invariant: 
         raise ValueError(f"horizon_s={horizon_s!r}: seconds of virtual time, finite and > 0")
     if invariant is not None and not callable(invariant):
         raise TypeError(f"invariant={invariant!r}: a function of no arguments (or None)")
+
+
+def _check_flag(ignore_unhandled_errors: object) -> None:
+    """Refuse an ``ignore_unhandled_errors`` that is not a bool, naming it (a string
+    ``"false"`` would be true)."""
+    if not isinstance(ignore_unhandled_errors, bool):
+        raise TypeError(f"ignore_unhandled_errors={ignore_unhandled_errors!r}: True or False")
