@@ -101,8 +101,13 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         # the app stops (uvicorn's shutdown, a TestClient's end): the dump records still
         # queued for its writer thread reach the file first, and the writer ends (a drain
         # has done so); the idle decode-burst threads end
-        service.close_burst_threads()
-        await service.flush_dump(DUMP_FLUSH_S, close=True)
+        try:
+            service.close_burst_threads()
+            await service.flush_dump(DUMP_FLUSH_S, close=True)
+        finally:
+            # FastAPI's caches let go of this app's route functions, and through their
+            # closures of the service and its executor
+            forget_route_functions()
 
     # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
     # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
@@ -233,6 +238,32 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     hot_routes_first(app)
 
     return app
+
+
+#: FastAPI's (0.163) module-level caches keyed on a route's endpoint function, each holding up
+#: to 4096 of them (``fastapi.dependencies.models``): an app's 20-odd route closures hold its
+#: ``CompletionService`` and executor (numpy buffers, tens of MB), so a process creating app
+#: after app (the test suite, an embedder serving a new executor) kept some 200 old executors
+#: alive after their apps were gone
+FASTAPI_ROUTE_CACHES = ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
+                        "_is_coroutine_callable_cached")
+
+
+def forget_route_functions() -> None:
+    """Empty FastAPI's caches of route functions (:data:`FASTAPI_ROUTE_CACHES`): called when an
+    app's lifespan ends, so the routes of an app that stopped no longer keep its executor
+    alive. The caches classify a function (coroutine? generator?); the routes of apps still
+    serving were classified when built, and an entry FastAPI asks for again (a streamed
+    route's, per request) is computed once more, a few microseconds. FastAPI names these
+    caches as private and its maintainers do not count apps created and dropped in one
+    process as a use (fastapi/fastapi#14576): a FastAPI without them makes this a no-op, and
+    ``tests/test_server_appleak.py`` fails if an old executor outlives its app again."""
+    from fastapi.dependencies import models
+
+    for name in FASTAPI_ROUTE_CACHES:
+        clear = getattr(getattr(models, name, None), "cache_clear", None)
+        if callable(clear):
+            clear()
 
 
 #: the routes nearly every request takes: tried first (:func:`hot_routes_first`)
