@@ -703,7 +703,8 @@ def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: s
                         f"it when it was read); give a regular file, or start the writer first "
                         f"(a shell's <(command) is one)")
     try:
-        return b"".join(chunks).decode("utf-8-sig")  # (-sig: a leading BOM is dropped)
+        # (the mark dropped after decoding: "utf-8-sig" counted the bad byte from after it)
+        return b"".join(chunks).decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise UserError(f"{flag}={given!r}: not UTF-8 text ({exc.reason} at byte "
                         f"{exc.start}), not {what}") from None

@@ -1,4 +1,5 @@
-"""The process's file-creation mask, read without changing it; a file replaced whole.
+"""The process's file-creation mask, read without changing it; a file replaced whole; a
+TOML file read as an editor saves it.
 
 ``os.umask`` can only be read by setting it: a thread that creates a file between the set and
 the restore creates it under the wrong mask (with ``os.umask(0)``: world-writable). Every
@@ -11,6 +12,8 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import tomllib
+from typing import Any
 
 
 def process_umask() -> int:
@@ -57,3 +60,13 @@ def write_whole(path: str, data: bytes) -> None:
     except BaseException:
         os.unlink(scratch)
         raise
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The TOML document in file ``path``, a leading UTF-8 byte order mark (an editor's, as
+    Notepad saves) not part of it: ``tomllib`` refused such a file as ``Invalid statement (at
+    line 1, column 1)``. Raises ``OSError``, ``UnicodeDecodeError`` (its ``start`` the byte
+    of the file, the mark counted) and ``tomllib.TOMLDecodeError``, as ``tomllib.load``."""
+    with open(path, "rb") as fh:
+        text = fh.read().decode("utf-8")
+    return tomllib.loads(text.removeprefix("\ufeff"))

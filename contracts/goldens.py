@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from calexec.contracts.files import write_whole
+from calexec.contracts.files import read_toml, write_whole
 from calexec.contracts.types import SHA256_RE
 
 FORMAT = 1
@@ -105,8 +105,7 @@ def load_goldens(path: str | Path) -> Goldens:
     if not stat.S_ISREG(mode):  # (a FIFO would wait for a writer, /dev/zero never end)
         raise GoldenFileError(file, "<file>", stat.filemode(mode), "not a regular file")
     try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+        raw = read_toml(path)
     except FileNotFoundError:
         return NO_GOLDENS
     except tomllib.TOMLDecodeError as exc:

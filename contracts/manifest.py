@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from calexec.contracts.files import read_toml
 from calexec.contracts.goldens import (
     NO_GOLDENS,
     GoldenFileError,
@@ -244,8 +245,7 @@ def load_manifest(path: str | Path) -> Manifest:
     """Parse and validate a manifest file; raises :class:`ManifestError` (or ``OSError``)."""
     file = str(path)
     try:
-        with open(path, "rb") as fh:
-            raw = tomllib.load(fh)
+        raw = read_toml(path)
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(file, "<toml>", ABSENT, f"not valid TOML: {exc}") from None
     except UnicodeDecodeError as exc:

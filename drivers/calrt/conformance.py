@@ -101,7 +101,7 @@ def load_run(path: str) -> dict[str, Any]:
     its ``conformance.json``. Raises :class:`ReportError`."""
     file = os.path.join(path, "conformance.json") if os.path.isdir(path) else path
     try:
-        with open(file, encoding="utf-8") as f:
+        with open(file, encoding="utf-8-sig") as f:  # (-sig: an editor's leading BOM dropped)
             run = json.load(f)
     except OSError as exc:
         raise ReportError(f"{file!r}: cannot read the conformance report: {exc.strerror or exc}") from None

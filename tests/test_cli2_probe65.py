@@ -1,0 +1,84 @@
+"""What the second CLI probe of stop 65 found with bad input, each pinned (docs/traceability.md,
+"Found at stop 65 (cli2)"): a manifest or goldens file saved with a byte order mark, a chart
+file named from its own directory, a Ctrl-C landing inside ``Popen()``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from calexec import cliargs
+from calexec.cli import main as cli
+from calexec.contracts.files import read_toml
+from calexec.contracts.goldens import load_goldens
+from calexec.contracts.manifest import load_manifest
+from calexec.drivers.tools.bench import subproc
+from test_cli import calexec
+
+MANIFESTS = Path(__file__).resolve().parents[1] / "contracts" / "manifests"
+BOM = b"\xef\xbb\xbf"
+
+
+def _with_bom(tmp_path: Path) -> Path:
+    """The bundled manifest and its goldens copied to ``tmp_path``, each as Notepad saves a
+    UTF-8 file: a byte order mark first."""
+    for name in ("qwen3_synthetic.toml", "qwen3_synthetic.goldens.toml"):
+        (tmp_path / name).write_bytes(BOM + (MANIFESTS / name).read_bytes())
+    return tmp_path / "qwen3_synthetic.toml"
+
+
+def test_a_manifest_and_its_goldens_saved_with_a_byte_order_mark_load_as_without(tmp_path):
+    """``--manifest m.toml`` (and the goldens next to it) saved with a UTF-8 byte order mark,
+    as Notepad saves one, was refused as ``not valid TOML: Invalid statement (at line 1,
+    column 1)``, naming nothing the user could see; it now reads as the same file without."""
+    manifest = _with_bom(tmp_path)
+    plain = load_manifest(MANIFESTS / "qwen3_synthetic.toml")
+    read = load_manifest(manifest)
+    assert (read.name, read.calrt_version, read.calbin_sha256, read.vocab_size,
+            read.hidden_size, dict(read.submodels), read.ignored_models) == (
+        plain.name, plain.calrt_version, plain.calbin_sha256, plain.vocab_size,
+        plain.hidden_size, dict(plain.submodels), plain.ignored_models)
+    assert dict(read.goldens) == dict(plain.goldens) != {}
+    assert dict(load_goldens(tmp_path / "qwen3_synthetic.goldens.toml")) == dict(plain.goldens)
+
+
+def test_demo_runs_on_a_manifest_saved_with_a_byte_order_mark(tmp_path):
+    manifest = _with_bom(tmp_path)
+    done = calexec("demo", "--seqs", "1", "--tokens", "1", "--manifest", str(manifest),
+                   timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+
+
+def test_only_a_leading_mark_is_dropped_and_a_bad_byte_is_counted_from_the_file_start(
+        tmp_path):
+    """The mark is the encoding's only at the start (elsewhere it is text, and TOML refuses it
+    there); a byte that is no UTF-8 is named at its place in the file, the mark counted
+    (``utf-8-sig`` counted from after the mark: byte 2 for the file's byte 5)."""
+    path = tmp_path / "x.toml"
+    path.write_bytes(b'a = 1\n\xef\xbb\xbfb = 2\n')
+    with pytest.raises(tomllib.TOMLDecodeError):
+        read_toml(path)
+    path.write_bytes(BOM + b"a=\xff")
+    with pytest.raises(UnicodeDecodeError) as err:
+        read_toml(path)
+    assert err.value.start == 5
+    with pytest.raises(cliargs.UserError, match="at byte 5"):
+        cliargs.read_small_text("--x", path, 64, "a token")
+
+
+def test_a_conformance_report_saved_with_a_byte_order_mark_is_read(tmp_path):
+    """``--conform-report conformance.json`` opened and saved in an editor that writes a byte
+    order mark was refused as ``invalid JSON: Unexpected UTF-8 BOM``; the mark is now
+    dropped as the TOML inputs' is."""
+    from calexec.drivers.calrt.conformance import load_run
+
+    report = {"questions": [{"id": "reset.soft.aborts_jobs", "verdict": "proven"}]}
+    (tmp_path / "conformance.json").write_bytes(BOM + json.dumps(report).encode())
+    assert load_run(str(tmp_path))["questions"] == report["questions"]
