@@ -76,7 +76,20 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
                                 f"name the module, as imported from {root} (e.g. "
                                 f"{dotted}:{class_name})")
+        if dotted is not None:  # (doors.py:Door, run where doors.py is, was told to run there)
+            raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
+                                f"name the module, without "
+                                f"{'.py' if module_name == dotted + '.py' else 'the path and .py'}"
+                                f": {dotted}:{class_name} (imported from {root}, where the "
+                                f"file is)")
         stem = os.path.splitext(os.path.basename(module_name))[0] or module_name
+        if not os.path.exists(os.path.join(root, module_name)) and not os.path.exists(
+                os.path.join(root, module_name + ".py")):
+            # src/nope.py:Door, no such file: "run from the directory that holds it"
+            raise ChartRefError(ref, f"{module_name!r} is no file in {root} (nor a module "
+                                f"name): name the module that declares the chart, as "
+                                f"imported from there, without a path and .py (e.g. "
+                                f"{stem}:{class_name} for {stem}.py)")
         raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: run "
                             f"from the directory that holds it and name the module "
                             f"(e.g. {stem}:{class_name})")

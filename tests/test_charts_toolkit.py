@@ -246,8 +246,7 @@ def test_check_without_files_fails_naming_them(project, capsys):
         ("{m}:Base", "'{m}:Base': Base declares no states"),
         ("exiting_mod:Light", "'exiting_mod:Light': cannot import module 'exiting_mod' from "),
         ("./{m}.py:Light", "'./{m}.py:Light': './{m}.py' is a file path, not a module name: "
-                           "run from the directory that holds it and name the module "
-                           "(e.g. {m}:Light)"),
+                           "name the module, without the path and .py: {m}:Light"),
         ("{m}.py:Light", "'{m}.py:Light': '{m}.py' is a file path"),
     ],
     ids=["no-colon", "no-module", "module-raises", "no-attribute", "not-a-class", "not-a-chart",

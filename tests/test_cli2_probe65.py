@@ -82,3 +82,31 @@ def test_a_conformance_report_saved_with_a_byte_order_mark_is_read(tmp_path):
     report = {"questions": [{"id": "reset.soft.aborts_jobs", "verdict": "proven"}]}
     (tmp_path / "conformance.json").write_bytes(BOM + json.dumps(report).encode())
     assert load_run(str(tmp_path))["questions"] == report["questions"]
+
+
+@pytest.mark.parametrize("ref", ["doors.py:Door", "./doors.py:Door"])
+def test_a_chart_file_named_from_its_own_directory_is_told_to_drop_the_py(
+        tmp_path, monkeypatch, capsys, ref):
+    """``calexec charts paths doors.py:Door`` run from the directory that holds doors.py
+    was told to "run from the directory that holds it": where the user already was. It is
+    now told to name the module without the .py (``doors:Door``), which imports from there."""
+    (tmp_path / "doors.py").write_text("X = 1\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "paths", ref]) == 2
+    err = capsys.readouterr().err
+    assert "run from the directory" not in err, err
+    without = ".py" if ref == "doors.py:Door" else "the path and .py"
+    assert (f"{ref.partition(':')[0]!r} is a file path, not a module name: name the module, "
+            f"without {without}: doors:Door (imported from {tmp_path}, where the file is)"
+            ) in err, err
+
+
+def test_a_chart_file_path_that_names_no_file_says_so(tmp_path, monkeypatch, capsys):
+    """``charts paths src/nope.py:Door`` with no such file was told to run from the directory
+    that holds it (there is none); it is now told the file is not there."""
+    (tmp_path / "src").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "paths", "src/nope.py:Door"]) == 2
+    err = capsys.readouterr().err
+    assert f"'src/nope.py' is no file in {tmp_path} (nor a module name)" in err, err
+    assert "nope:Door for nope.py" in err, err
