@@ -504,7 +504,7 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
                 named = OSError(errno.EINVAL, f"not a regular file ({stat.filemode(mode)}), "
                                 f"which the new file would replace", target)
                 raise cannot_write(shown, named, flag) from None
-        with _sigint_held():
+        with interrupts_held():
             for name in names:
                 target = os.path.join(directory, name)
                 try:
@@ -552,26 +552,36 @@ def sigterm_interrupts() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Hold a SIGINT for the block (the main thread only: elsewhere Python runs no handler)
-    and deliver it after, as Python's handler in place would have."""
+def interrupts_held() -> Iterator[None]:
+    """Hold a SIGINT, and a SIGTERM a Python handler takes (:func:`sigterm_interrupts`'), for
+    the block and deliver the first after, as the handler in place would have: what must not
+    be cut in two (files renamed into place, a child started and recorded to be ended) runs
+    whole. The main thread only (elsewhere Python runs no handler); a signal with a handler
+    not set from Python is not held."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     received: list[int] = []
+    previous: dict[int, Any] = {}
     try:
-        previous = signal.signal(signal.SIGINT, lambda num, frame: received.append(num))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if handler is not None and (sig == signal.SIGINT or callable(handler)):
+                previous[sig] = signal.signal(sig, lambda num, frame: received.append(num))
     except (ValueError, OSError):  # (no signals here: nothing to hold)
-        yield
-        return
+        for held, kept in previous.items():
+            signal.signal(held, kept)
+        previous.clear()
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for held, kept in previous.items():
+            signal.signal(held, kept)
     if received:
-        if callable(previous):
-            previous(signal.SIGINT, None)
-        elif previous == signal.SIG_DFL:
+        handler = previous[received[0]]
+        if callable(handler):
+            handler(received[0], None)
+        elif handler == signal.SIG_DFL and received[0] == signal.SIGINT:
             raise KeyboardInterrupt
 
 

@@ -110,3 +110,57 @@ def test_a_chart_file_path_that_names_no_file_says_so(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert f"'src/nope.py' is no file in {tmp_path} (nor a module name)" in err, err
     assert "nope:Door for nope.py" in err, err
+
+
+@pytest.fixture
+def landing_in_popen(monkeypatch):
+    """``subprocess.Popen`` whose child is started, then a signal raised in this process before
+    the call returns: a Ctrl-C (or a SIGTERM made one) landing inside ``Popen()``, where it
+    waits for the child's exec. Yields the started children; ends any left after the test."""
+    real = subprocess.Popen
+    started: list[subprocess.Popen] = []
+    raised: list[int] = [signal.SIGINT]
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        signal.raise_signal(raised[0])
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        yield started, raised
+    finally:
+        for proc in started:
+            if proc.poll() is None:  # (the old code's leak: not left to this run)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.mark.parametrize("call", ["run_group", "call_group"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_inside_popen_ends_the_child_it_started(landing_in_popen, call, sig):
+    """A Ctrl-C (or a SIGTERM that ``calexec`` turns into one) landing inside ``Popen()``, the
+    child started but its ``Popen`` not yet returned, raised out of ``run_group`` (make's
+    build) or ``call_group`` (``charts cover``'s command) with no group to end: the child ran
+    on after calexec had exited 130. The signal is now held until the child is recorded, then
+    delivered: the group ends and the interrupt is raised as before."""
+    started, raised = landing_in_popen
+    raised[0] = getattr(signal, sig)
+    argv = [sys.executable, "-c", "import time; time.sleep(600)"]  # (killed, never waited out)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with cliargs.sigterm_interrupts(), pytest.raises(KeyboardInterrupt):
+        if call == "run_group":
+            subproc.run_group(argv, timeout=600)
+        else:
+            subproc.call_group(argv)
+    assert len(started) == 1
+    assert started[0].poll() is not None, "the child started inside Popen() runs on"
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_run_group_uninterrupted_keeps_its_result_and_the_handlers():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    done = subproc.run_group([sys.executable, "-c", "print('out')"], timeout=120)
+    assert (done.returncode, done.stdout) == (0, "out\n")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before

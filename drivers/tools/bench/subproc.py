@@ -13,6 +13,8 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
+from calexec.cliargs import interrupts_held
+
 #: how long a group told to end (SIGTERM) has to clean up before it is killed (SIGKILL)
 TERM_GRACE_S = 2.0
 
@@ -47,12 +49,17 @@ def run_group(argv: Sequence[str], timeout: float | None = None,
     raised) or the caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
     ``subprocess.run`` kills only the program it started, so ``make``'s compiler ran on after
     calexec had exited 130."""
-    proc = subprocess.Popen(list(argv), cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            errors="replace", start_new_session=True)
+    proc: subprocess.Popen[str] | None = None
     try:
+        with interrupts_held():  # (a Ctrl-C inside Popen(), its child started but not yet
+            # returned to end: the build ran on after calexec had exited 130)
+            proc = subprocess.Popen(list(argv), cwd=cwd, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    text=True, errors="replace", start_new_session=True)
         out, err = proc.communicate(timeout=timeout)
     except BaseException:  # (TimeoutExpired, KeyboardInterrupt: the group ends with the call)
+        if proc is None:  # (none started)
+            raise
         _kill_group(proc)
         try:
             proc.communicate(timeout=5.0)
@@ -69,10 +76,14 @@ def call_group(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
     ``subprocess.call`` kills only the program it started, and what that had started (a
     shell's background job, pytest-xdist's workers) ran on (``charts cover``'s command)."""
-    proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
+    proc: subprocess.Popen[bytes] | None = None
     try:
+        with interrupts_held():  # (as run_group's)
+            proc = subprocess.Popen(list(argv), env=env, start_new_session=True)
         return proc.wait()
     except BaseException:  # (KeyboardInterrupt: the group ends with the call)
+        if proc is None:  # (none started)
+            raise
         _kill_group(proc)
         proc.wait()
         raise
