@@ -13,7 +13,6 @@ import os
 import stat
 import tempfile
 import tomllib
-from typing import Any
 
 
 def process_umask() -> int:
@@ -62,7 +61,7 @@ def write_whole(path: str, data: bytes) -> None:
         raise
 
 
-def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_toml(path: str | os.PathLike[str]) -> dict[str, object]:
     """The TOML document in file ``path``, a leading UTF-8 byte order mark (an editor's, as
     Notepad saves) not part of it: ``tomllib`` refused such a file as ``Invalid statement (at
     line 1, column 1)``. Raises ``OSError``, ``UnicodeDecodeError`` (its ``start`` the byte
