@@ -164,3 +164,23 @@ def test_a_run_group_uninterrupted_keeps_its_result_and_the_handlers():
     done = subproc.run_group([sys.executable, "-c", "print('out')"], timeout=120)
     assert (done.returncode, done.stdout) == (0, "out\n")
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_an_interrupt_inside_popen_of_charts_mutate_ends_the_command(
+        landing_in_popen, tmp_path, monkeypatch, capsys):
+    """``calexec charts mutate --test-cmd CMD``: a Ctrl-C landing inside the unmutated run's
+    ``Popen()`` raised before the command was recorded to end, and CMD (calexec's whole suite
+    by default) ran on after the interrupt. It is now ended as one landing after."""
+    started, _ = landing_in_popen
+    module = f"mutdoor_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        "from statemachine import State, StateChart\n\n\nclass Door(StateChart):\n"
+        "    closed = State(initial=True)\n    open_ = State()\n"
+        "    press = closed.to(open_) | open_.to(closed)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    command = f"{sys.executable} -c 'import time; time.sleep(600)'"  # (killed, never waited out)
+    assert cli(["charts", "mutate", "--chart", f"{module}:Door", "--test-cmd", command]) == 130
+    assert "calexec charts mutate: interrupted" in capsys.readouterr().err
+    assert len(started) == 1
+    assert started[0].wait(timeout=60) == -signal.SIGKILL, "the command runs on"

@@ -300,22 +300,29 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
     start = time.monotonic()
     # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
     # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, encoding="utf-8",
-                            errors="replace", start_new_session=True)
-    _LIVE.add(proc)
+    proc: subprocess.Popen[str] | None = None
     try:
+        with cliargs.interrupts_held():  # (a Ctrl-C inside Popen(): the command, started but
+            # not yet returned to end, ran on after exit 130)
+            proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+                                    errors="replace", start_new_session=True)
+            _LIVE.add(proc)
         output, _ = proc.communicate(timeout=timeout)
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
+        if proc is None:  # (never: only communicate() times out)
+            raise
         _kill(proc)
         output, _ = proc.communicate()
         code = None
     except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)
-        _kill(proc)
+        if proc is not None:
+            _kill(proc)
         raise
     finally:
-        _LIVE.discard(proc)
+        if proc is not None:
+            _LIVE.discard(proc)
     return code, time.monotonic() - start, output
 
 
