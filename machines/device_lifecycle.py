@@ -756,8 +756,15 @@ class DeviceLifecycle:
             if moved:
                 self.run.send(LIFECYCLE_EV_FAIL)
                 self.failure = status
+            ended = self.run.state
+            failure = self.failure if self.failure is not None else status
             self.ready_cv.notify_all()
-        self._refuse_queued(status)
+        # a queued job never reached the device: it is refused as a request sent now is
+        # (503 ``lifecycle.unavailable`` naming the failure). Refused with ``status`` itself,
+        # each was answered the fault as its own (``execution.deadline`` raw 13 for a job
+        # that never ran) and reported to the fault controller as one more fault
+        self._stop_admission(Status.unavailable(
+            Phase.RECOVERY, f"device lifecycle is {ended} after {failure}"))
         if moved:
             log.error("device lifecycle Failed: %s", status)
         else:
@@ -807,8 +814,7 @@ class DeviceLifecycle:
         """Called by the fault controller; never blocks. Runs the recovery on its own thread
         (threads mode) or leaves it for ``run_pending_recovery`` (stepped mode)."""
         if decision.action is Action.STOP:
-            self._stop_admission(Status.unavailable(Phase.RECOVERY, decision.reason))
-            self.fail(decision.status)
+            self.fail(decision.status)  # (queued jobs refused as Failed, naming the fault)
             return
         with self.mu:
             if (decision.action is Action.RESET_REBUILD and not self.stopping and (
