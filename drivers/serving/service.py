@@ -726,7 +726,8 @@ class CompletionService:
         # has at most one step outstanding) means a step never waits for a thread. A decode
         # burst (``decode_bursts``) is the one thread of a request holding a sequence id.
         self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
-        # The threads of the non-streamed decode bursts (``_run_burst``), handed a burst
+        # The threads of the decode bursts (``_run_burst``; a streamed one's since stop 66,
+        # ``_stream_burst_thread``), handed a burst
         # directly: anyio's ``to_thread`` first took a turn of the event loop
         # (``checkpoint``) and its limiter another (a shielded one), two cancel scopes and
         # about 15-20 us of the loop's CPU a request on the c=1 path (issue 28, stop 65). At
@@ -1203,12 +1204,13 @@ class CompletionService:
 
     async def _stream_burst_thread(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
         """The task of a streamed burst: its thread's (steps, failure), its jobs counted;
-        wakes the loop when it ends. Never raises (nothing awaits a cut burst's task): a
+        wakes the loop when it ends. The thread is one of ``_burst_threads``, as a
+        non-streamed burst's (stop 66: anyio's ``to_thread`` took a turn of the loop and its
+        limiter a shielded one first, once a streamed request). Never raises (nothing awaits a cut burst's task): a
         failure of the thread itself ends the burst with none (the plain path takes the next
         job)."""
         try:
-            steps, failure = await to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
-                                                      limiter=self._stream_limiter)
+            steps, failure = await self._in_burst_thread(run)
             self.metrics.burst_jobs.inc(steps)
             return steps, failure
         except Exception:  # noqa: BLE001 - logged; the plain path takes over
