@@ -41,15 +41,25 @@ class Detokenizer:
 
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        #: a byte token was fed since the last flush: only then can the decoder hold bytes
+        #: of a character not yet whole (without one, a flush has nothing to end: the
+        #: decoder's three Python calls a token skipped, issue 28 stop 66)
+        self._bytes = False
 
     def feed(self, token_id: int) -> str:
         """Text that became final with ``token_id`` (possibly empty)."""
         if is_byte_token(token_id):
+            self._bytes = True
             return self._utf8.decode(bytes((token_id - BYTE_OFFSET,)))
+        if not self._bytes:
+            return f"<{token_id}>"
         return self.flush() + f"<{token_id}>"
 
     def flush(self) -> str:
         """Text of any pending bytes; the decoder is then empty."""
+        if not self._bytes:
+            return ""
+        self._bytes = False
         text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return text
