@@ -117,6 +117,13 @@ CORPUS: list[tuple[str, str, str, bytes | None, dict[str, str]]] = [
 ]
 
 
+#: sent after the drain cut the body reads (``wire.BodyReads``): a body already in the
+#: server's buffer is read and refused by admission, one still on its way is cut with
+#: ``Connection: close`` (wire.body_or_refusal); which one depends on how the loop read
+#: the socket (seen once in four runs on a loaded host, stop 66)
+RACES_ITS_BODY = ("503 completion while draining",)
+
+
 def _masked(body: str) -> str:
     return _CREATED.sub('"created": 0', _IDS.sub(r"\1-ID", body))
 
@@ -180,6 +187,10 @@ def test_every_answer_of_the_corpus_equals_the_recorded_one(tmp_path):
     want = json.loads(GOLDEN.read_text())
     assert sorted(got) == sorted(want)
     for name in want:
+        if name in RACES_ITS_BODY:  # either answer of wire.body_or_refusal's documented race
+            closed = {**want[name], "headers": {**want[name]["headers"], "connection": "close"}}
+            assert got[name] in (want[name], closed), name
+            continue
         assert got[name] == want[name], name
     # the corpus reaches every kind it names (a recording that answered 500 everywhere
     # would pin nothing)
