@@ -43,7 +43,7 @@ class HFTokenizer:
             raise TokenizerLoadError(f"{setting}={path!r}: the `tokenizers` library is not "
                                      f"installed ({err}); pip install 'calexec[tokenizer]'") from None
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = _tokenizer_from(Tokenizer, file)
         except Exception as err:  # noqa: BLE001 - the library raises its own Exception type
             raise TokenizerLoadError(f"{setting}={path!r}: cannot load {file!r} as a "
                                      f"tokenizer.json: {err}") from None
@@ -56,7 +56,9 @@ class HFTokenizer:
         config_file = os.path.join(os.path.dirname(os.path.abspath(file)), "tokenizer_config.json")
         if os.path.isfile(config_file):
             try:
-                with open(config_file, encoding="utf-8") as f:
+                # (-sig: an editor's leading byte order mark, as Notepad saves one, is
+                # dropped, as for the other files calexec reads; ``json`` refused it)
+                with open(config_file, encoding="utf-8-sig") as f:
                     config = json.load(f)
             except (OSError, ValueError) as err:
                 raise TokenizerLoadError(f"{setting}={path!r}: {config_file!r} is not "
@@ -129,6 +131,19 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 #: a byte-fallback piece (sentencepiece-style BPE: ``<0xE8>``)
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _tokenizer_from(tokenizer: Any, file: str) -> Any:
+    """``tokenizers.Tokenizer`` (the class, passed in: the library is imported only when a
+    tokenizer is given) of the tokenizer.json ``file``; a leading UTF-8 byte order mark (an
+    editor's, as Notepad saves one) is dropped, as for every file calexec reads: the library
+    refused it, ``expected value at line 1 column 1``."""
+    with open(file, "rb") as f:
+        marked = f.read(3) == b"\xef\xbb\xbf"
+    if not marked:
+        return tokenizer.from_file(file)
+    with open(file, encoding="utf-8-sig") as f:
+        return tokenizer.from_str(f.read())
 
 
 def _special(value: object) -> str:
