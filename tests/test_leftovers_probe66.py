@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
+
+from test_server_support import live_fixture  # noqa: F401 - the fixture `live`
+
+MODEL = "calexec-qwen3-synthetic"
 
 
 # ---- 1. a tokenizer_config.json saved with a byte order mark ---------------------------------
@@ -41,3 +46,30 @@ def test_a_tokenizer_config_saved_with_a_byte_order_mark_is_read(tmp_path):
     with pytest.raises(hf_tokenizer.TokenizerLoadError, match="is not readable JSON"):
         hf_tokenizer.load(str(tmp_path))
 
+
+# ---- 4. legacy completions' top_logprobs: two tokens of one text ------------------------------
+def test_completions_top_logprobs_keep_the_more_likely_of_two_tokens_of_one_text(live):
+    """``/v1/completions`` with ``logprobs: N`` answers ``top_logprobs`` as a map keyed by
+    token text (OpenAI's shape): two tokens of one text, here the first bytes of ``é``,
+    ``中`` and ``ж`` (each U+FFFD on its own), are one entry. It held the least likely one's
+    logprob (a dict built over the tokens most likely first: each later one replaced the
+    one before, as vLLM's does), so the sampled token's own entry was below its
+    ``token_logprobs``; it now holds the most likely one's. The structured output allows
+    only those three bytes after the opening quote, so they are that position's top 3."""
+    server, _, _ = live
+    schema = {"type": "object", "properties": {"w": {"type": "string",
+                                                     "enum": ["é", "中", "ж"]}},
+              "required": ["w"], "additionalProperties": False}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 12, "temperature": 0,
+            "logprobs": 3,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "w", "schema": schema}}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    tokens, lps, tops = logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
+    at = next(i for i, t in enumerate(tokens) if t == "\ufffd")  # the character's first byte
+    assert set(tops[at]) == {"\ufffd"}, tops[at]  # three tokens, one text
+    for token, lp, top in zip(tokens, lps, tops):
+        # the sampled token's text holds at least its own logprob (greedy: exactly)
+        assert top[token] == lp, (token, lp, top)

@@ -1049,8 +1049,15 @@ def top_entries(tok: Tokenizer, info: TokenLogprobs, k: int | None = None) -> di
     """One position's ``top_logprobs``: its ``k`` (default: all kept) most likely tokens and
     the token at the position (the sampled one, or the prompt's), so up to k + 1 entries
     (OpenAI: "the API will always return the logprob of the sampled token"; vLLM does the same,
-    and ``logprobs: 0`` is that token alone)."""
-    entries = {tok.token_text(t): lp for t, lp in info.top[:k]}
+    and ``logprobs: 0`` is that token alone). The map is keyed by text, so two tokens of one
+    text (byte pieces of a character, each U+FFFD on its own) are one entry holding the more
+    likely one's logprob, the first of ``info.top`` (most likely first): until stop 66 the less
+    likely one's replaced it, as vLLM's dict comprehension still does (vllm-project/vllm#44319),
+    so that the sampled token's own entry could be less than its ``token_logprobs``; sglang's
+    fix keeps the first (sgl-project/sglang#32387). Chat's list keeps every token apart."""
+    entries: dict[str, float] = {}
+    for t, lp in info.top[:k]:
+        entries.setdefault(tok.token_text(t), lp)
     entries.setdefault(tok.token_text(info.token), info.logprob)
     return entries
 
