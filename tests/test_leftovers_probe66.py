@@ -8,6 +8,8 @@ import json
 import httpx
 import pytest
 
+from calexec.contracts.status import Status
+from executor_harness import deadline, decode, prefill, running_executor, write_calbin
 from test_server_support import live_fixture  # noqa: F401 - the fixture `live`
 
 MODEL = "calexec-qwen3-synthetic"
@@ -73,3 +75,43 @@ def test_completions_top_logprobs_keep_the_more_likely_of_two_tokens_of_one_text
     for token, lp, top in zip(tokens, lps, tops):
         # the sampled token's text holds at least its own logprob (greedy: exactly)
         assert top[token] == lp, (token, lp, top)
+
+
+# ---- 2. release_sequence beside an open stream never stepped (no defect: pinned) -------------
+def _release_beside_an_unused_stream(calbin: str, api: str) -> list:
+    """Seq 1 prefilled; a decode stream of it opened through ``api`` (none for ``enqueue``)
+    and never stepped; ``release_sequence(1)``; another request takes the id with a longer
+    prompt; then the stale step (on the stream, or an ``enqueue`` at the old ``past_len``)."""
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, [1, 2, 3], kv_reserve_len=12)).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        stream = None if api == "enqueue" else ex.decode_stream(
+            1, first.kv_len, deadline(), max_len=12, greedy_ahead=api == "ahead")
+        answers: list = [ex.release_sequence(1, 5.0).code, ex.snapshot().get("kv")]
+        other = ex.enqueue(prefill(1, [5, 6, 7, 8, 9], kv_reserve_len=12)).wait_until(deadline())
+        answers.append(other.code if isinstance(other, Status) else other.kv_len)
+        if stream is None:
+            after = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
+        else:
+            submitted = stream.submit(first.argmax)
+            after = submitted if isinstance(submitted, Status) else stream.wait()
+            stream.close()
+        answers.append(after.code if isinstance(after, Status) else after.kv_len)
+        answers.append(ex.release_sequence(1, 5.0).code)
+        return answers
+
+
+def test_a_release_beside_an_open_stream_never_stepped_answers_as_the_plain_path(tmp_path):
+    """``release_sequence`` of a sequence whose decode stream is open and was never stepped
+    answers ``OK``, as the plain path (nothing open) does: the stream's armed first job is a
+    guess, released before the KV reset, so no job holds KV the release gave back (spec §5);
+    no KV is held after it. Refusing it (``kv.sequence_busy`` naming the stream) or closing
+    the stream would answer otherwise than the plain path, which stop 57 made every path
+    answer alike (tests/test_core_probe57.py). The stale step a caller sends afterwards is a
+    request of the id at that moment, on every path: here a decode at the old ``past_len``
+    on the KV of the request that took the id since (docs/embedding.md section 3)."""
+    calbin = write_calbin(tmp_path)
+    answers = {api: _release_beside_an_unused_stream(calbin, api)
+               for api in ("enqueue", "stream", "ahead")}
+    assert answers["enqueue"] == ["ok", None, 5, 4, "ok"], answers
+    assert answers["stream"] == answers["ahead"] == answers["enqueue"], answers
