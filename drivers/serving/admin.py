@@ -28,7 +28,7 @@ from calexec.drivers.serving.error_bodies import (
     invalid,
     transfer_coding_refused,
 )
-from calexec.drivers.serving.service import CompletionService, ServerConfig
+from calexec.drivers.serving.service import RouteService, ServerConfig
 from calexec.machines import switch_check
 
 log = logging.getLogger("calexec.admin")
@@ -181,9 +181,9 @@ def draining_refusal(retry_after: int, headers: dict[str, str] | None = None) ->
         "calbin", retry_after=retry_after, headers=headers)
 
 
-def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
+def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
     """``/admin/drain`` and ``/admin/reload`` on ``app``."""
-    executor, config = service.executor, service.config
+    config = owner.service.config
     retry = config.retry_after_s
     #: the calbin of the switch this app's ``/admin/reload`` runs now (at most one): checked
     #: and set with no ``await`` between them and the health check, so a second reload is
@@ -195,6 +195,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     async def read_body(request: Request) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
         slowly (408) or is too large (413): ``wire.body_or_refusal``, as the API's."""
+        service = owner.service
         raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
                                          service.bodies)
         if isinstance(raw, wire.BodyRefusal):
@@ -204,6 +205,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
 
     @app.post("/admin/drain")
     async def admin_drain(request: Request) -> Response:
+        service = owner.service
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
@@ -245,6 +247,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     async def admin_reload(request: Request) -> Response:
         """Model switch through the lifecycle (§9.2): body {"calbin": PATH}. The new calbin
         serves only after its golden passes; otherwise the previous one serves again."""
+        service = owner.service
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
@@ -284,7 +287,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
                 "is required"), "calbin", http_status=400)
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
-        checked = await to_thread.run_sync(executor.check_calbin, path,
+        checked = await to_thread.run_sync(service.executor.check_calbin, path,
                                            config.max_calbin_bytes)
         if not checked.ok or not isinstance(path, str):  # (checked ok: a str)
             return error_response(checked if not checked.ok else invalid(f"calbin={shown(path)}"),
@@ -306,7 +309,8 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         try:
             log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
                      wire.request_id(request.scope))
-            status = await to_thread.run_sync(executor.switch_model, path)
+            status = await to_thread.run_sync(service.executor.switch_model, path)
+            executor = service.executor
             gen, state = executor.gen, executor.state  # (read before another switch starts)
         finally:
             switching.clear()
@@ -317,7 +321,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
                     "set allow_unpinned_golden", "set allow_unpinned_golden (calexec serve: "
                     "--allow-unpinned-golden)", 1))
             log.warning("admin: switch to calbin %s failed, lifecycle %s: %s", shown(path, 300),
-                        executor.state, status)
+                        service.executor.state, status)
             return error_response(status, "calbin")
         log.info("admin: calbin %s serves, generation %s", shown(path, 300),
                  None if gen is None else gen.id)

@@ -18,7 +18,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal, query_refusal
 from calexec.drivers.serving.error_bodies import error_response, invalid, route_error
 from calexec.drivers.serving.live_charts import COUNTED, LABELS, path_page, server_inspector
-from calexec.drivers.serving.service import CompletionService
+from calexec.drivers.serving.service import RouteService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import GraphvizError, render_chart_svg
 from calexec.machines.inspector import AppOptions, inspector_app
@@ -58,24 +58,27 @@ def inspector_error(request: Request, status: int, message: str | None,
                           headers=dict(headers) or None)
 
 
-def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
+def add_debug_routes(app: FastAPI, owner: RouteService) -> None:
     """The ``/debug/...`` routes on ``app``."""
-    executor, config = service.executor, service.config
+    config = owner.service.config
 
     @app.get("/debug/jobs")
     async def debug_jobs(request: Request) -> Response:
         """Live job counts; it takes no query parameter (``?limt=5``: a 400 naming it, as
         every ``/admin`` and ``/debug`` route answers one it does not take)."""
+        service = owner.service
         unknown = query_refusal(request, (), "GET /debug/jobs takes no query parameter; "
                                 "one job's path: GET /debug/jobs/{id}")
         if unknown is not None:
             return unknown
-        return JSONResponse({"lifecycle": executor.state, "jobs": service.live_job_counts()})
+        return JSONResponse({"lifecycle": service.executor.state,
+                             "jobs": service.live_job_counts()})
 
     @app.get("/debug/jobs/{job_id}")
     async def debug_job(job_id: str, request: Request) -> Response:
         """The path of one job (admin): taken transitions and refusing guards, on the chart.
         ``?format=json`` for the data. A failed request's error body names its ``job_id``."""
+        service = owner.service
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
@@ -97,12 +100,12 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"format={shown(view, 64)}: must be one of "
                                           f"{', '.join(JOB_FORMATS)}"), "format")
         wanted = int(job_id)
-        record = executor.job_trail(wanted)
+        record = service.executor.job_trail(wanted)
         if record is None:  # a 404's code, as every other 404 (it was `request.invalid`, a 400's)
             return error_response(Status.failure(
                 "request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                 f"job_id={wanted}: unknown, still running, or older than the last "
-                f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
+                f"{service.executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
         if view == "json":
             return JSONResponse(record)
         try:
@@ -122,7 +125,8 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         return RedirectResponse("statecharts/", status_code=307)
 
     # the live statecharts page: the generic inspector, mounted as any app would mount it
-    inspector = server_inspector(executor, service.live_job_counts)
+    served = owner.service  # (held by the mounted page, the app's: no route function)
+    inspector = server_inspector(served.executor, served.live_job_counts)
     page = inspector_app(inspector, AppOptions(
         svg=lambda chart, active: chart_svg_cached(chart.name, active),
         graphviz_error=no_graphviz, error=inspector_error, title="calexec statecharts",

@@ -59,6 +59,7 @@ from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
     RequestRun,
+    RouteService,
     context_exceeded,
     failure_param,
     knock_on,
@@ -1309,14 +1310,15 @@ class ChatPath:
     count: Callable[[ChatRequest], int]
 
 
-def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]
+def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                ) -> ChatPath:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error); the chat pipeline, for the routes built on it."""
 
-    config = service.config
+    config = owner.service.config
 
     def served_names() -> tuple[str, ...]:
+        service = owner.service
         names = [config.model_name]
         manifest_name = getattr(getattr(service.executor, "manifest", None), "name", None)
         if isinstance(manifest_name, str) and manifest_name not in names:
@@ -1341,6 +1343,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         ``Expect: 100-continue`` while the server drains, is refused before its body is read
         (:func:`draining_refusal`; without the expectation its body is read, as it is on
         its way, and admission refuses it)."""
+        service = owner.service
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
@@ -1390,10 +1393,12 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     # the generation served, or during a recovery's gap between two generations the last one
     # (service.contracts): a request is checked, and waits for Ready, as every other one
     def vocab() -> int | None:
+        service = owner.service
         generation = service.contracts
         return None if generation is None else generation.vocab_size
 
     def max_seq() -> int | None:
+        service = owner.service
         generation = service.contracts
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
 
@@ -1416,6 +1421,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     def structure(build: Callable[..., Any], *args: Any) -> Any:
         """A grammar.* builder's result for this server's tokenizer and vocabulary
         (``tool_setup``: no model needed); its GrammarError is the 400 naming the field."""
+        service = owner.service
         try:
             if build is grammar.tool_setup:
                 return build(*args)
@@ -1439,6 +1445,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                              "data": [model_card(name) for name in served_names()]})
 
     def model_card(name: str) -> dict[str, Any]:
+        service = owner.service
         return {"id": name, "object": "model", "created": int(service.started_at),
                 "owned_by": "calexec", "root": config.model_name, "parent": None,
                 "max_model_len": max_seq()}
@@ -1457,6 +1464,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         # named first: an error answer carries the id an answer would have had
+        service = owner.service
         response_id = new_response_id(request, _CompletionShape.PREFIX)
         try:
             body = await read(request, CompletionRequest, admits=True)
@@ -1574,6 +1582,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     def chat_prompt(body: ChatRequest, tools: grammar.ToolSetup | None) -> list[int]:
         """The prompt ids of the chat ``body`` (``tools``: its checked tools, rendered by the
         template)."""
+        service = owner.service
         text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
                            body.chat_template_kwargs, body.continue_final_message, tools)
         return truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
@@ -1588,6 +1597,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
+        service = owner.service
         try:
             body = await read(request, TokenizeRequest)
             given = [name for name in ("prompt", "content", "messages")
@@ -1627,6 +1637,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         to tokenize as this server does through ``/tokenize`` and ``/detokenize`` (lm-eval's
         ``tokenizer_backend=remote``). A special token the tokenizer has no text for (the
         byte-level tokenizer's end token) is null."""
+        service = owner.service
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             return answered(auth)
@@ -1642,6 +1653,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         """vLLM's ``POST /detokenize``. An id outside the served vocabulary is a 400 naming
         it, as in a prompt (a ``--tokenizer``'s decode dropped it silently, the byte-level
         tokenizer printed ``<id>``: the same ids read differently by tokenizer)."""
+        service = owner.service
         try:
             body = await read(request, DetokenizeRequest)
             n = vocab()
@@ -1673,6 +1685,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         shape: _Shape, usage_chunk: bool, response_id: str) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
+        service = owner.service
         progress = request.scope.get(handoff.PROGRESS)
         resumed = _resume_of(request, params)
         if isinstance(resumed, Response):
@@ -1745,6 +1758,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         every choice again from its start with that seed, id and ``created`` and sends, of
         each choice, only the events after those the client has (drivers/serving/handoff.py).
         """
+        service = owner.service
         progress = request.scope.get(handoff.PROGRESS)
         resumed = _resume_of(request, params)
         if isinstance(resumed, Response):
@@ -1830,6 +1844,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         # the request's deadline (its timeout kept for the messages that name it)
         # a choice after one that was admitted is part of an admitted request: a drain
         # started since lets it run (it refuses only requests not yet admitted)
+        service = owner.service
         run, status, param = service.admit(attrs.evolve(admission, deadline=deadline),
                                            admitted=bool(state.runs))
         if run is None:
@@ -1897,6 +1912,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         ``index``), the usage chunk (``include_usage``) sums them, ``[DONE]`` once at the
         end; a failure before the first chunk is the response's status, after it an error
         event (no ``[DONE]``), as for one choice."""
+        service = owner.service
         producer = asyncio.get_running_loop().create_task(produce())
 
         async def stop() -> None:  # the choices end and release what they hold
@@ -1969,13 +1985,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     def hand_off(request: Request, run: RequestRun) -> bool:
         """A draining replica hands a fleet request (one with a progress channel) to a
         sibling at a token boundary, when one serves (drivers/serving/handoff.py)."""
-        handing = request.scope.get(handoff.HANDOFF)
-        return (handing is not None and service.draining and not run.done
+        handing = request.scope.get(handoff.HANDOFF)  # (per token: the service only if so)
+        return (handing is not None and owner.service.draining and not run.done
                 and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
 
     async def _sse_response(request: Request, run: RequestRun, out: TextOutput, shape: _Shape,
                             usage_chunk: bool, progress: Callable[[dict], None] | None = None
                             ) -> Response:
+        service = owner.service
         first: int | None = None
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect

@@ -45,7 +45,7 @@ from calexec.drivers.serving.openai_api import (
     metadata_refusal,
     parse,
 )
-from calexec.drivers.serving.service import CompletionService
+from calexec.drivers.serving.service import RouteService
 
 #: ``input`` message roles (a ``tool`` answer is a ``function_call_output`` item)
 INPUT_ROLES = ("user", "system", "developer", "assistant")
@@ -733,11 +733,12 @@ def _error_answer(answer: Response) -> Response:
     return JSONResponse(body, answer.status_code, headers=headers)
 
 
-def add_routes(app: FastAPI, service: CompletionService, chat: ChatPath) -> None:
+def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
     """``POST /v1/responses`` (on ``chat``) and the 404s of the stored-response routes."""
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
+        service = owner.service
         response_id = f"resp_{_hex()}"
         wire.name_request(request.scope, response_id)
         try:
@@ -776,6 +777,7 @@ def add_routes(app: FastAPI, service: CompletionService, chat: ChatPath) -> None
             "response_id", 404))
 
     async def stored(request: Request, response_id: str) -> Response:
+        service = owner.service
         auth = auth_refusal(request, service.config.api_key)
         if auth is not None:
             return chat.answered(auth)

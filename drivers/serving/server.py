@@ -61,6 +61,7 @@ from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
     RequestRun,
+    RouteService,
     SequencePool,
     ServerConfig,
 )
@@ -93,28 +94,27 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     if not isinstance(executor, InferenceExecutor):
         raise TypeError(f"create_app: executor={executor!r:.200}: expected a started "
                         f"DeviceExecutor (an InferenceExecutor), got {type(executor).__name__}")
-    service = CompletionService(executor, config, dump)
+    owned = CompletionService(executor, config, dump)
+    # the app's closures (its routes, handlers, lifespan) reach the service, and through it
+    # the executor, by a weak reference: ``app.state.service`` is its one owner
+    owner = RouteService(owned)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        service = owner.service
         yield
         # the app stops (uvicorn's shutdown, a TestClient's end): the dump records still
         # queued for its writer thread reach the file first, and the writer ends (a drain
         # has done so); the idle decode-burst threads end
-        try:
-            service.close_burst_threads()
-            await service.flush_dump(DUMP_FLUSH_S, close=True)
-        finally:
-            # FastAPI's caches let go of this app's route functions, and through their
-            # closures of the service and its executor
-            forget_route_functions()
+        service.close_burst_threads()
+        await service.flush_dump(DUMP_FLUSH_S, close=True)
 
     # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
     # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
     # path with a trailing slash is the OpenAI-shaped 404 naming it, as any unknown path
     app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None,
                   openapi_url=None, redirect_slashes=False, lifespan=lifespan)
-    app.state.service = service
+    app.state.service = owned
     retry = config.retry_after_s
 
     if config.cors_origins:  # off by default: a browser page may call only when asked for
@@ -127,7 +127,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                            max_age=600)
     app.add_middleware(AsteriskForm)
     # each completion and chat request counted once, by outcome (calexec_api_requests_total)
-    app.add_middleware(RequestTally, metrics=service.metrics)
+    app.add_middleware(RequestTally, metrics=owned.metrics)
     # outside CORS: its preflight answers carry the id too
     app.add_middleware(wire.RequestIds)
     # outermost: every other middleware (the tally's route, CORS) sees the path routed on
@@ -154,6 +154,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         refusals are: a completion, chat or Responses request's, not another route's (its
         refusals are answered only; counting its bug made ``success + failures = requests +
         api_requests{refused}`` false)."""
+        service = owner.service
         status = Status.failure("server.unexpected_error", Category.PROGRAMMING, Phase.VALIDATE,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
@@ -169,6 +170,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
         """Error response of a completion request; counted unless it was counted already."""
+        service = owner.service
         param = param or PARAM_OF_CODE.get(status.code)
         if count:  # (one the route counts, not a choice's end: a refusal)
             service.metrics.observe_refusal(status)
@@ -185,10 +187,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         """200 while the process serves HTTP; ``reasons`` says why the executor cannot serve
         (``executor.health()``: a dead executor thread, a job past its deadline, lifecycle
         not Ready), ``status`` is then ``degraded``."""
+        service = owner.service
         reasons = service.health()
-        snap = executor.snapshot()
+        snap = service.executor.snapshot()
         return {"status": "degraded" if reasons else "ok", "reasons": reasons,
-                "lifecycle": executor.state, "generation": snap.get("generation"),
+                "lifecycle": service.executor.state, "generation": snap.get("generation"),
                 # §9.2: "unpinned" while serving a calbin whose golden no file pins
                 # (--allow-unpinned-golden); §8 PROGRAMMING: features off until generation+1
                 "golden": snap.get("golden"),
@@ -197,11 +200,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     @app.get("/ready")
     async def ready() -> Response:
-        state = executor.state
+        service = owner.service
+        state = service.executor.state
         reasons = service.health()
         if service.ready:
             return JSONResponse({"status": "ready", "lifecycle": state,
-                                 "generation": executor.snapshot()["generation"]})
+                                 "generation": service.executor.snapshot()["generation"]})
         reason = ("server is draining" if service.draining else "; ".join(reasons) if reasons
                   else f"device lifecycle is {state}")
         return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
@@ -214,7 +218,8 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         when it will not serve again, so a probe routes away (a recovery or a model switch,
         after which it serves, stays 200, as vLLM's busy engine does; ``/ready`` says when
         it serves)."""
-        state = executor.state
+        service = owner.service
+        state = service.executor.state
         if state in ("Failed", "Stopped") or service.draining:
             reason = "server is draining" if service.draining else f"device lifecycle is {state}"
             return error_response(Status.unavailable(Phase.ADMISSION, reason),
@@ -228,42 +233,17 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        service = owner.service
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    add_admin_routes(app, service)
-    add_debug_routes(app, service)
-    chat_path = openai_api.add_routes(app, service, fail)
-    responses_api.add_routes(app, service, chat_path)
+    add_admin_routes(app, owner)
+    add_debug_routes(app, owner)
+    chat_path = openai_api.add_routes(app, owner, fail)
+    responses_api.add_routes(app, owner, chat_path)
     head_with_get(app)
     hot_routes_first(app)
 
     return app
-
-
-#: FastAPI's (0.163) module-level caches keyed on a route's endpoint function, each holding up
-#: to 4096 of them (``fastapi.dependencies.models``): an app's 20-odd route closures hold its
-#: ``CompletionService`` and executor (numpy buffers, tens of MB), so a process creating app
-#: after app (the test suite, an embedder serving a new executor) kept some 200 old executors
-#: alive after their apps were gone
-FASTAPI_ROUTE_CACHES = ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
-                        "_is_coroutine_callable_cached")
-
-
-def forget_route_functions() -> None:
-    """Empty FastAPI's caches of route functions (:data:`FASTAPI_ROUTE_CACHES`): called when an
-    app's lifespan ends, so the routes of an app that stopped no longer keep its executor
-    alive. The caches classify a function (coroutine? generator?); the routes of apps still
-    serving were classified when built, and an entry FastAPI asks for again (a streamed
-    route's, per request) is computed once more, a few microseconds. FastAPI names these
-    caches as private and its maintainers do not count apps created and dropped in one
-    process as a use (fastapi/fastapi#14576): a FastAPI without them makes this a no-op, and
-    ``tests/test_server_appleak.py`` fails if an old executor outlives its app again."""
-    from fastapi.dependencies import models
-
-    for name in FASTAPI_ROUTE_CACHES:
-        clear = getattr(getattr(models, name, None), "cache_clear", None)
-        if callable(clear):
-            clear()
 
 
 #: the routes nearly every request takes: tried first (:func:`hot_routes_first`)

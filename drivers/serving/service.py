@@ -38,6 +38,7 @@ import re
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, cast
 
@@ -1750,3 +1751,30 @@ class CompletionService:
         for callback in self.on_drained:
             callback(status)
         return status
+
+
+class RouteService:
+    """How an app's closures (its routes, exception handlers, lifespan) reach its
+    :class:`CompletionService`, and through it the executor: by a weak reference, each
+    closure taking ``owner.service`` once per call. ``app.state.service`` is the service's
+    one owner, so the service and its executor (numpy buffers, tens of MB) live as long as
+    the app, whatever holds a route function after it: FastAPI (0.163) keeps up to 4096 route
+    functions in module-level caches (``fastapi.dependencies.models``), and while their
+    closures held the service a process creating app after app (the test suite, an embedder
+    serving a new executor) kept some 200 old executors alive. (Not a ``weakref.proxy``: a
+    dead one left in those caches raises ``ReferenceError`` at an ``isinstance`` of a heap
+    walk, ``gc.get_objects()``.)"""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, service: CompletionService) -> None:
+        self._ref = weakref.ref(service)
+
+    @property
+    def service(self) -> CompletionService:
+        """The service; RuntimeError once it is gone (only a route of a dropped app, which
+        nothing can call, would find it so)."""
+        service = self._ref()
+        if service is None:
+            raise RuntimeError("the app's CompletionService is gone: its app was dropped")
+        return service
