@@ -101,11 +101,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        service = owner.service
         yield
         # the app stops (uvicorn's shutdown, a TestClient's end): the dump records still
         # queued for its writer thread reach the file first, and the writer ends (a drain
         # has done so); the idle decode-burst threads end
+        service = owner.service  # (taken now: the lifespan's frame holds nothing meanwhile)
         service.close_burst_threads()
         await service.flush_dump(DUMP_FLUSH_S, close=True)
 
