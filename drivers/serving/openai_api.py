@@ -339,7 +339,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
         raise Refusal(invalid(raw_or_why), None)
     raw = raw_or_why
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as err:
         errors = err.errors()
         first = errors[0]
@@ -392,6 +392,10 @@ def parse(model: type[Body], raw: bytes) -> Body:
                                       f"(as {form}; {param} {one_of})"), param) from None
             raise Refusal(invalid(f"{value}: {one_of}"), param) from None
         raise Refusal(invalid(f"{value}: {json_quoted(first)}"), param) from None
+    repeated = wire.repeated_key(raw)  # (the parser kept the last one of a key given twice)
+    if repeated is not None:
+        raise Refusal(invalid(repeated[0]), repeated[1])
+    return body
 
 
 class _Number(str):

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import jiter
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -392,6 +393,58 @@ def overlong_number(raw: bytes) -> tuple[str, str | None] | None:
         elif isinstance(item, dict):
             todo.extend(([*path, str(name)], child)
                         for name, child in reversed(list(item.items())))
+        elif isinstance(item, list):
+            todo.extend(([*path, str(i)], child) for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
+class _Pairs(dict[str, Any]):
+    """A JSON object as :func:`repeated_key` reads it: ``twice`` is its first key given
+    more than once (None: each once)."""
+
+    twice: str | None = None
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    obj = _Pairs()
+    for key, value in pairs:
+        if key in obj and obj.twice is None:
+            obj.twice = key
+        obj[key] = value
+    return obj
+
+
+def repeated_key(raw: bytes) -> tuple[str, str] | None:
+    """The message (and its ``param``: the key's path, ``messages.0.role``) refusing a UTF-8
+    JSON body the API's parser read that gives a key twice in one object, else None. The
+    parser keeps the last of them silently (RFC 8259 section 4: names SHOULD be unique; what
+    a receiver does with a repeated one is not said), so ``{"max_tokens": 16, ...,
+    "max_tokens": 4096}`` was served the second while a proxy or log that reads the first saw
+    the other, and the client heard nothing; ``/admin/reload`` refuses a repeated key as this
+    does. jiter (the parser of pydantic's, as a package) checks the keys as it reads, about 5
+    us for a chat body of 500 bytes; only a body with a repeated key is read again, to name
+    where it is."""
+    try:
+        jiter.from_json(raw, catch_duplicate_keys=True)
+        return None
+    except ValueError as err:  # (the API's parser read it: only a repeated key is ours)
+        if not str(err).startswith("Detected duplicate key"):
+            return None
+    try:
+        value = json.loads(raw, object_pairs_hook=_pairs)
+    except (ValueError, RecursionError):
+        return None
+    todo: list[tuple[list[str], Any]] = [([], value)]  # depth first, in document order
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, _Pairs):
+            if item.twice is not None:
+                where = ".".join([*path, item.twice])[:80]
+                return (f"{where}: given more than once in its object (the last one would "
+                        "silently win), give it once"), where
+            todo.extend(([*path, name], child) for name, child in reversed(list(
+                item.items())))
         elif isinstance(item, list):
             todo.extend(([*path, str(i)], child) for i, child in reversed(list(
                 enumerate(item))))
