@@ -1,13 +1,20 @@
 """Adversarial HTTP input found by probing a loopback ``calexec serve`` at stop 66 (branch
-probe-http): a JSON body giving one key twice. Real executor on the bundled emulator."""
+probe-http): a JSON body giving one key twice; a grammar compiled, and its matcher built, on
+the event loop. Real executor on the bundled emulator."""
 
 from __future__ import annotations
 
+import threading
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from calexec.drivers.serving import grammar
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import started_executor
+from test_server_support import live_fixture, started_executor
+
+assert live_fixture  # the fixture ``live``, imported by its name
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +72,83 @@ def test_a_refused_field_is_named_before_a_key_given_twice(client):
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["param"] == "max_tokens"
     assert r.json()["error"]["message"].startswith("max_tokens=-1"), r.json()
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "tools": [{"type": "function", "function": {
+                                  "name": "f", "parameters": {"type": "object"}}}]}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2,
+                         "response_format": {"type": "json_object"}}),
+])
+def test_other_clients_are_served_while_a_grammar_compiles(live, monkeypatch, route, body):
+    """A ``json_schema`` of 2,000 ``anyOf`` branches (170 KB, within the body limit) took 12 s
+    of checks and llguidance's compile on the event loop: every other client, ``/health``
+    and running streams alike, waited that long. The compile runs in a worker thread: here
+    it is held until ``/health`` and another completion have been answered (on the old code
+    they waited for it: their deadline passed), then the request is answered."""
+    server, _, service = live
+    entered, release = threading.Event(), threading.Event()
+    name = "chat_structure" if route == "/v1/chat/completions" else "completion_structure"
+    real = getattr(grammar, name)
+
+    def held(*args):
+        entered.set()
+        release.wait(30.0)  # (bounded: the test sets it)
+        return real(*args)
+
+    monkeypatch.setattr(grammar, name, held)
+    answers: dict[str, httpx.Response] = {}
+    asking = threading.Thread(target=lambda: answers.setdefault(
+        "held", httpx.post(f"{server.url}{route}", json=body, timeout=60.0)))
+    asking.start()
+    try:
+        assert entered.wait(30.0), "the grammar was never built"
+        health = httpx.get(f"{server.url}/health", timeout=10.0)
+        plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2],
+                                                                 "max_tokens": 2}, timeout=10.0)
+        assert not release.is_set()
+    finally:
+        release.set()
+        asking.join(60.0)
+    assert health.status_code == 200, health.text[:300]
+    assert plain.status_code == 200, plain.text[:300]
+    assert answers["held"].status_code == 200, answers["held"].text[:300]
+
+
+def test_other_clients_are_served_while_a_grammar_s_matcher_is_built(live, monkeypatch):
+    """Each choice of a request with a grammar builds llguidance's matcher when its first
+    token is chosen: half a second for the 2,000-branch schema above, on the event loop,
+    where ``/health`` waited 2.3 s behind it once the compile had moved to a thread. It is
+    built in a worker thread: held here until ``/health`` and another completion have been
+    answered (on the old code they waited for it: their deadline passed)."""
+    server, _, _ = live
+    entered, release = threading.Event(), threading.Event()
+    real = grammar.Structure.start
+
+    def held(self):
+        entered.set()
+        release.wait(30.0)  # (bounded: the test sets it)
+        return real(self)
+
+    monkeypatch.setattr(grammar.Structure, "start", held)
+    answers: dict[str, httpx.Response] = {}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_object"}}
+    asking = threading.Thread(target=lambda: answers.setdefault(
+        "held", httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60.0)))
+    asking.start()
+    try:
+        assert entered.wait(30.0), "the matcher was never built"
+        health = httpx.get(f"{server.url}/health", timeout=10.0)
+        plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2],
+                                                                 "max_tokens": 2}, timeout=10.0)
+        assert not release.is_set()
+    finally:
+        release.set()
+        asking.join(60.0)
+    assert health.status_code == 200, health.text[:300]
+    assert plain.status_code == 200, plain.text[:300]
+    assert answers["held"].status_code == 200, answers["held"].text[:300]

@@ -60,7 +60,7 @@ from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.drivers.serving.rows import RowPool
-from calexec.drivers.serving.sampling import RowConstraint
+from calexec.drivers.serving.sampling import GrammarSpec, RowConstraint
 from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
 
@@ -644,6 +644,15 @@ def _told_as_timeout(run: RequestRun, status: Status) -> Status:
         f"{status.message})"))
 
 
+def _started(structure: GrammarSpec, tokens: list[int]) -> RowConstraint:
+    """The constraint of ``structure`` (a ``grammar.Structure``), having accepted ``tokens`` (a
+    generation continued from another replica)."""
+    constraint = structure.start()
+    for earlier in tokens:
+        constraint.accept(earlier)
+    return constraint
+
+
 def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
     """The log-probability of prompt ``token`` in ``logits`` (the raw FP32 row of the
     position before it), the ``top`` most likely tokens', and the token's rank (1: the most
@@ -1008,9 +1017,10 @@ class CompletionService:
             return self._accept(run, result)
         self._observe(run, result)
         if run.constraint is None and run.sampling.grammar is not None:
-            run.constraint = run.sampling.grammar.start()
-            for earlier in run.tokens:  # a generation continued from another replica
-                run.constraint.accept(earlier)
+            # (a worker thread's: a large grammar's matcher takes half a second to build,
+            # which on the loop stalled every other client; llguidance lets the GIL go)
+            run.constraint = await to_thread.run_sync(_started, run.sampling.grammar,
+                                                      run.tokens, limiter=self._limiter)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
         try:
