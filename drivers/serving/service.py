@@ -631,17 +631,27 @@ def _as_told(run: RequestRun, status: Status) -> Status:
     return attrs.evolve(status, message=re.sub(r"\bmax_tokens\b", field, status.message))
 
 
+#: the executor's words for a wait that timed out on a job it leaves running
+#: (``JobHandle.wait_until``: "...; the job continues (state Submitted)"), which the server
+#: then cancels (``CompletionService._failed``)
+_JOB_CONTINUES = re.compile(r"; the job continues(?: \(state [^)]*\))?")
+
+
 def _told_as_timeout(run: RequestRun, status: Status) -> Status:
     """``status`` as the client reads it: a deadline that ended ``run`` is its ``timeout``
-    (the body's, or the server's default), whichever step met it; the executor's words for
-    that step ("queue deadline passed before infer()", ...) follow in parentheses."""
+    (the body's, or the server's default), whichever step met it, and the request ended
+    there (the server cancels the job it waited for); what to change follows, then the
+    executor's words for that step ("queue deadline passed before infer()", ...) in
+    parentheses, without the executor's "the job continues", which the server's cancel
+    made untrue."""
     if status.category is not Category.DEADLINE or status.message.startswith(_TIMEOUT_TOLD):
         return status
     told = run.deadline - run.started if run.timeout is None else run.timeout
+    step = _JOB_CONTINUES.sub("", status.message)
     return attrs.evolve(status, message=(
-        f"{_TIMEOUT_TOLD}{told:g} s passed after {len(run.tokens)} "
-        f"generated tokens (the body's timeout, or the server's --timeout; "
-        f"{status.message})"))
+        f"{_TIMEOUT_TOLD}{told:g} s passed after {len(run.tokens)} generated tokens (the "
+        f"body's timeout, or the server's --timeout); the request ended there: give a larger "
+        f"timeout or a smaller {run.max_tokens_param} ({step})"))
 
 
 def _started(structure: GrammarSpec, tokens: list[int]) -> RowConstraint:
