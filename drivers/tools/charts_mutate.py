@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
@@ -282,7 +283,47 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
     return chosen
 
 
-_LIVE: set[subprocess.Popen] = set()  # test commands running now (killed on interrupt)
+class _Stopped(Exception):
+    """A worker's run after the interrupt: its command was ended, its outcome is nobody's."""
+
+
+class _Running:
+    """The test commands running now, each its own process group, for :meth:`stop` to end
+    on an interrupt. A command started after the stop (a worker's ``Popen()`` under way as
+    the main thread took the Ctrl-C: a worker thread holds no signal) is ended as it is
+    recorded: it ran on, calexec waiting for its timeout before it could exit 130."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[subprocess.Popen[str]] = set()
+        self._stopped = False
+
+    def check(self) -> None:
+        """Raise :class:`_Stopped` once stopped."""
+        with self._lock:
+            if self._stopped:
+                raise _Stopped
+
+    def add(self, proc: subprocess.Popen[str]) -> None:
+        """Record ``proc``; once stopped, end it and raise :class:`_Stopped`."""
+        with self._lock:
+            if not self._stopped:
+                self._live.add(proc)
+                return
+        _kill(proc)
+        raise _Stopped
+
+    def discard(self, proc: subprocess.Popen[str]) -> None:
+        with self._lock:
+            self._live.discard(proc)
+
+    def stop(self) -> None:
+        """End every command recorded, and any recorded after."""
+        with self._lock:
+            self._stopped = True
+            live = list(self._live)
+        for proc in live:
+            _kill(proc)
 
 
 def _shown(text: str) -> str:
@@ -292,11 +333,13 @@ def _shown(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | None):
+def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | None,
+         running: _Running):
     """(exit code or None on timeout, seconds, output). The command runs in its own process
     group, killed whole on timeout and on an interrupt (a Ctrl-C reaches calexec only, not a
     session of its own: the unmutated run, calexec's whole suite by default, ran on after
-    exit 130)."""
+    exit 130). Raises :class:`_Stopped` in a worker's run after ``running`` stopped."""
+    running.check()
     start = time.monotonic()
     # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
     # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
@@ -307,7 +350,7 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
             proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, encoding="utf-8",
                                     errors="replace", start_new_session=True)
-            _LIVE.add(proc)
+            running.add(proc)
         output, _ = proc.communicate(timeout=timeout)
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
@@ -322,7 +365,8 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
         raise
     finally:
         if proc is not None:
-            _LIVE.discard(proc)
+            running.discard(proc)
+    running.check()  # (ended by the stop: no outcome line after "interrupted")
     return code, time.monotonic() - start, output
 
 
@@ -336,8 +380,6 @@ def _kill(proc: subprocess.Popen) -> None:
 def _on_sigterm_interrupt() -> Any:
     """Make SIGTERM raise KeyboardInterrupt in the main thread; return the old handler (None
     when not on the main thread, where handlers cannot be set)."""
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return None
 
@@ -642,9 +684,10 @@ def main(argv: list[str] | None = None) -> int:
             modules.setdefault(chart.target.partition(":")[0], []).append(chart)
         probe[PROBE_ENV] = ",".join(modules)
         probe[mutants_mod.ACK_ENV] = str(scratch / "ack-baseline")
+        running = _Running()
         previous = _on_sigterm_interrupt()  # (a SIGTERM ends the command's run too)
         try:
-            code, baseline_s, output = _run(command, cwd, probe, None)
+            code, baseline_s, output = _run(command, cwd, probe, None, running)
         except OSError as err:  # not found, not executable
             print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
                   f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
@@ -692,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
             ack = scratch / f"ack-{index}"
             env[mutants_mod.ENV] = f"{chart.target}@{mutant.id}"
             env[mutants_mod.ACK_ENV] = str(ack)
-            code, outcome.seconds, output = _run(command, cwd, env, timeout)
+            code, outcome.seconds, output = _run(command, cwd, env, timeout, running)
             applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text(
                 encoding="utf-8", errors="surrogateescape").splitlines()
             _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
@@ -713,8 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes = list(pool.map(lambda item: one(item[0], *item[1]), enumerate(chosen)))
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no test command outlives the run
             pool.shutdown(wait=False, cancel_futures=True)
-            for proc in list(_LIVE):
-                _kill(proc)
+            running.stop()
             print("calexec charts mutate: interrupted", file=sys.stderr)
             return 130
         finally:

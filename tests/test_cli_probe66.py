@@ -1,0 +1,62 @@
+"""What the CLI probe of stop 66 found in a CLI's hostile environment, each pinned
+(docs/traceability.md, "Found at stop 66 (cli)"): an interrupt landing in a worker thread's
+``Popen()``, ..."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from calexec.cli import main as cli
+
+
+def test_an_interrupt_while_a_mutate_worker_starts_its_command_ends_the_command(
+        tmp_path, monkeypatch, capsys):
+    """``calexec charts mutate --jobs N``: a Ctrl-C (or a SIGTERM made one) taken by the main
+    thread while a worker thread was inside ``Popen()`` of a mutant's run (a worker thread
+    holds no signal) ended the commands recorded, not the one being started: it was recorded
+    after, ran on, and calexec, exit 130 said, waited on it for its whole timeout. It is now
+    ended as it is recorded."""
+    real = subprocess.Popen
+    started: list[subprocess.Popen] = []
+    released = threading.Event()
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        if threading.current_thread() is threading.main_thread():  # the unmutated run
+            return proc
+        started.append(proc)
+        # the Ctrl-C reaches the main thread, waiting on the workers, while this one's
+        # Popen() has not returned; it returns once the main thread has said "interrupted"
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        released.wait(120)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    module = f"mutdoor66_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        "from statemachine import State, StateChart\n\n\nclass Door(StateChart):\n"
+        "    closed = State(initial=True)\n    open_ = State()\n"
+        "    press = closed.to(open_) | open_.to(closed)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    # (the unmutated run passes at once; a mutant's sleeps until killed, never waited out)
+    command = (f"{sys.executable} -c \"import os, time; "
+               f"os.environ.get('CALEXEC_CHART_MUTANT') and time.sleep(600)\"")
+    try:
+        assert cli(["charts", "mutate", "--chart", f"{module}:Door", "--test-cmd", command,
+                    "--jobs", "1", "--timeout", "600"]) == 130
+        assert "calexec charts mutate: interrupted" in capsys.readouterr().err
+        released.set()
+        assert len(started) == 1
+        assert started[0].wait(timeout=60) == -signal.SIGKILL, "the mutant's command runs on"
+    finally:
+        released.set()
+        for proc in started:
+            if proc.poll() is None:  # (the old code's leak: not left to this run)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
