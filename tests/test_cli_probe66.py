@@ -60,3 +60,29 @@ def test_an_interrupt_while_a_mutate_worker_starts_its_command_ends_the_command(
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
+
+def test_bench_server_starts_its_api_process_out_of_the_terminal_s_ctrl_c(monkeypatch, capsys):
+    """``calexec bench server``'s API process (the ``api_process_floor`` side) ran in the
+    bench's process group, so a Ctrl-C at the terminal reached it too: before it ignored
+    SIGINT (while Python imported uvicorn) or after uvicorn restored the handler, it printed
+    a ``KeyboardInterrupt`` traceback of its own on the bench's terminal. It now runs in a
+    session of its own, which the terminal's Ctrl-C does not reach; the bench ends it by
+    closing its stdin, as before."""
+    from calexec.drivers.tools.bench import server_overhead as bench_server
+
+    real = subprocess.Popen
+    sessions: list[int] = []
+
+    def popen(args, *rest, **kwargs):
+        proc = real(args, *rest, **kwargs)
+        if "calexec.drivers.tools.bench.api_floor" in list(args):
+            sessions.append(os.getsid(proc.pid))
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    assert bench_server.main(["bench", "server", "--json", "--requests", "2", "--max-tokens",
+                              "2", "--decode-us", "0", "--concurrency", "1",
+                              "--loadgen", "thread", "--no-stream", "--rounds", "1"]) == 0
+    assert len(sessions) == 1
+    assert sessions[0] != os.getsid(0), "the API process shares the terminal's Ctrl-C"
+

@@ -370,11 +370,18 @@ class _ApiFloor:
             self.__exit__()
             self.reason = f"its engine socket {path!r} cannot be bound: {exc.strerror or exc}"
             return self
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor", "--socket", path,
-             "--max-seconds", str(_WAIT_S * 120)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
+            # its own session: a Ctrl-C at the terminal reaches the bench alone, which ends
+            # the API process by closing its stdin (one reaching it before its SIGINT was
+            # ignored, while Python imported uvicorn, or after uvicorn restored it, was a
+            # KeyboardInterrupt traceback of its own on the bench's terminal); one landing
+            # inside Popen() is held until the process is recorded for __exit__ to end
+            with cliargs.interrupts_held():
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor",
+                     "--socket", path, "--max-seconds", str(_WAIT_S * 120)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                    start_new_session=True)
             line = _first_line(self._proc, self.START_S)
             if not line.startswith("http://127.0.0.1:"):
                 raise BenchError(f"the API process did not start: {line!r}")
