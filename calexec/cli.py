@@ -92,10 +92,22 @@ class _Stdout:
             raise error from exc
 
     def write(self, text: str) -> int:
-        return int(self._call("write", text))
+        try:
+            return int(self._call("write", text))
+        except UnicodeEncodeError:  # (nothing written: the text is encoded whole first)
+            return int(self._call("write", self._encodable(text)))
 
     def writelines(self, lines: Any) -> None:
-        self._call("writelines", lines)
+        for line in lines:
+            self.write(line)
+
+    def _encodable(self, text: str) -> str:
+        """``text`` with what stdout's encoding cannot take written as ``\\xa7``, as Python
+        writes it to stderr: stdout in ASCII (``PYTHONIOENCODING=ascii``, a console's code
+        page) failed on the first ``\u00a7`` of a ``--help``, exit 70 or a traceback. The
+        JSON on stdout is ASCII already (``ensure_ascii``)."""
+        encoding = getattr(self._stream, "encoding", None) or "utf-8"
+        return text.encode(encoding, "backslashreplace").decode(encoding)
 
     def flush(self) -> None:
         self._call("flush")

@@ -1,6 +1,7 @@
 """What the CLI probe of stop 66 found in a CLI's hostile environment, each pinned
 (docs/traceability.md, "Found at stop 66 (cli)"): an interrupt landing in a worker thread's
-``Popen()``, ..."""
+``Popen()``, ``bench server``'s API process in the terminal's process group, an ASCII
+stdout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+import pytest
 
 from calexec.cli import main as cli
 
@@ -85,4 +88,42 @@ def test_bench_server_starts_its_api_process_out_of_the_terminal_s_ctrl_c(monkey
                               "--loadgen", "thread", "--no-stream", "--rounds", "1"]) == 0
     assert len(sessions) == 1
     assert sessions[0] != os.getsid(0), "the API process shares the terminal's Ctrl-C"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["accept", "--help"], ["bench", "logits", "--help"]])
+def test_help_on_an_ascii_stdout_writes_what_it_cannot_encode_escaped(argv):
+    """``PYTHONIOENCODING=ascii calexec accept --help`` (stdout in ASCII, as a console's code
+    page or a CI runner's setting makes it) failed on the help's first ``\u00a7``: the
+    command's help was ``internal error: UnicodeEncodeError``, exit 70, and ``calexec --help``
+    a traceback, exit 1. What the encoding cannot take is now written escaped (``\\xa7``, as
+    Python writes it to stderr), the rest as it was, exit 0."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "calexec.cli", *argv], capture_output=True,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr.decode(errors="replace")
+    assert b"\\xa7" in done.stdout and b"usage: calexec" in done.stdout
+    done.stdout.decode("ascii")  # (nothing but ASCII written)
+
+
+def test_a_command_s_output_on_an_ascii_stdout_keeps_every_line(tmp_path, monkeypatch):
+    """In process: print() of non-ASCII text to an ASCII stdout writes it escaped, and the
+    lines around it, through ``calexec.cli.main``'s stdout."""
+    import io
+
+    from calexec import cli as cli_module
+
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding="ascii", errors="strict", write_through=True)
+    monkeypatch.setattr(sys, "stdout", stream)
+    module = f"cafe66_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(
+        "from statemachine import State, StateChart\n\n\nclass Door(StateChart):\n"
+        "    ferm\u00e9 = State(initial=True)\n    ouvert = State()\n"
+        "    press = ferm\u00e9.to(ouvert) | ouvert.to(ferm\u00e9)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli_module.main(["charts", "paths", f"{module}:Door"]) == 0
+    stream.flush()
+    out = raw.getvalue().decode("ascii")
+    assert "ferm\\xe9" in out and "ouvert" in out, out
 
