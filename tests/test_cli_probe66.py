@@ -1,7 +1,7 @@
 """What the CLI probe of stop 66 found in a CLI's hostile environment, each pinned
 (docs/traceability.md, "Found at stop 66 (cli)"): an interrupt landing in a worker thread's
 ``Popen()``, ``bench server``'s API process in the terminal's process group, an ASCII
-stdout."""
+stdout, an interrupt inside ``Popen()`` of ``diagrams live``'s browser."""
 
 from __future__ import annotations
 
@@ -127,3 +127,36 @@ def test_a_command_s_output_on_an_ascii_stdout_keeps_every_line(tmp_path, monkey
     out = raw.getvalue().decode("ascii")
     assert "ferm\\xe9" in out and "ouvert" in out, out
 
+
+def test_an_interrupt_inside_popen_of_the_browser_shot_ends_the_browser(tmp_path, monkeypatch):
+    """``calexec diagrams live``: a Ctrl-C (or a SIGTERM made one) landing inside ``Popen()``
+    of headless Chromium, the browser started in a session of its own but its ``Popen`` not
+    yet returned, raised with nothing to end: the browser ran on after exit 130 and wrote its
+    PNG then. The interrupt is now held until the browser is recorded, then ends it."""
+    from calexec.drivers.tools.live_screenshots import chromium_capture
+
+    fake = tmp_path / "bin" / "chromium"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexec sleep 600\n")  # (killed, never waited out)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    real = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def popen(*args, **kwargs):
+        proc = real(*args, **kwargs)
+        started.append(proc)
+        signal.raise_signal(signal.SIGINT)  # (inside Popen(), the child started)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            chromium_capture("http://127.0.0.1:9/", str(tmp_path), timeout=600.0)
+        assert len(started) == 1
+        assert started[0].poll() is not None, "the browser started inside Popen() runs on"
+    finally:
+        for proc in started:
+            if proc.poll() is None:  # (the old code's leak: not left to this run)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -25,19 +25,25 @@ from calexec.drivers.serving.live_charts import path_page
 
 
 def _run_bounded(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+    proc: subprocess.Popen[str] | None = None
     try:
+        with cliargs.interrupts_held():  # (a Ctrl-C inside Popen(): the browser, started but
+            # not yet returned to end, ran on after exit 130 and wrote the PNG then)
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True, env=env)
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        if proc is None:  # (never: only communicate() times out)
+            raise
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(argv, -9, out, err + f"\ntimed out after {timeout}s")
     except BaseException:  # a Ctrl-C (in its own session, the browser does not get it): the
         # browser and its helpers would run on after the command ended, and write the PNG then
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         raise
     try:  # helpers a browser leaves behind
         os.killpg(proc.pid, signal.SIGKILL)
