@@ -160,3 +160,22 @@ def test_an_interrupt_inside_popen_of_the_browser_shot_ends_the_browser(tmp_path
             if proc.poll() is None:  # (the old code's leak: not left to this run)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["bench", "charts", "--json", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["accept", "--json", "--gates", "nope"], "'nope' is not a gate"),
+    (["bench", "recovery", "--json", "--calbin", "{tmp}/x.calbin"], "not a calbin"),
+    (["conform", "--json", "--runtime-lib", "{tmp}/nope.so"], "nope.so"),
+])
+def test_a_json_command_that_fails_before_its_result_prints_nothing_on_stdout(
+        argv, said, tmp_path, capsys):
+    """README: with ``--json`` a command that fails before its result prints no JSON error
+    object, nothing on stdout: its one line on stderr and the exit code (until stop 66 this
+    was said nowhere, and a script reading stdout could not know what to expect)."""
+    (tmp_path / "x.calbin").write_text("root:x:0:0\n")
+    assert cli([a.format(tmp=tmp_path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out
+    lines = [line for line in err.splitlines() if line.startswith("calexec ")]
+    assert len(lines) == 1 and said in lines[0], err
