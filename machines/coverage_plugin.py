@@ -20,7 +20,8 @@ pyproject.toml does)::
 The configured gate judges only a run of the whole suite (no ``-k``/``-m``, nothing
 deselected, no node ids, no paths but the configured ``testpaths``): one test file alone does
 not take every transition (the summary says it was not applied, and why, when a chart is below
-it). ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off. A gate
+it). ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off (1 or unset keeps it;
+another value is refused). A gate
 given on the command line judges whatever ran. Without either, the plugin does nothing.
 
 ``--chart-contracts=MODULE:CLASS`` (repeatable; or ``chart_contracts`` in the configuration)
@@ -106,6 +107,17 @@ def _minimum(text: str, origin: str) -> float:
     return value
 
 
+def _gate_on() -> bool:
+    """``$CALEXEC_TRANSITION_GATE``: 0 turns the configured gate off, 1 (or unset, or empty)
+    keeps it; another value is one usage error naming it (``off`` or ``false`` kept the gate
+    on, silently: only ``0`` was read)."""
+    text = os.environ.get(GATE_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise pytest.UsageError(f"{GATE_ENV}={text!r}: give 0 to turn the configured "
+                                f"chart_coverage_min gate off, or 1 (or unset it) to keep it")
+    return text != "0"
+
+
 def _configure_contracts(config: pytest.Config) -> None:
     flags = list(config.getoption("chart_contracts") or [])
     refs = list(dict.fromkeys(list(config.getini("chart_contracts")) + flags))
@@ -153,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
     minimum: float | None
     if cli_min is not None:
         minimum, whole_suite_only = _minimum(cli_min, "--chart-coverage-min"), False
-    elif config.getini("chart_coverage_min") and os.environ.get(GATE_ENV, "1") != "0":
+    elif config.getini("chart_coverage_min") and _gate_on():
         minimum = _minimum(str(config.getini("chart_coverage_min")), "chart_coverage_min")
         whole_suite_only = True
     else:

@@ -1,7 +1,8 @@
 """What the CLI probe of stop 66 found in a CLI's hostile environment, each pinned
 (docs/traceability.md, "Found at stop 66 (cli)"): an interrupt landing in a worker thread's
 ``Popen()``, ``bench server``'s API process in the terminal's process group, an ASCII
-stdout, an interrupt inside ``Popen()`` of ``diagrams live``'s browser."""
+stdout, an interrupt inside ``Popen()`` of ``diagrams live``'s browser,
+a ``CALEXEC_TRANSITION_GATE`` that is neither 0 nor 1."""
 
 from __future__ import annotations
 
@@ -179,3 +180,24 @@ def test_a_json_command_that_fails_before_its_result_prints_nothing_on_stdout(
     assert out == "", out
     lines = [line for line in err.splitlines() if line.startswith("calexec ")]
     assert len(lines) == 1 and said in lines[0], err
+
+
+@pytest.mark.parametrize("value", ["off", "false", "no", "00"])
+def test_a_transition_gate_variable_that_is_not_0_or_1_is_refused_naming_it(tmp_path, value):
+    """``CALEXEC_TRANSITION_GATE=off pytest`` in a project with ``chart_coverage_min``: only
+    ``0`` turned the gate off, so ``off`` or ``false`` kept it on, silently, and a partial
+    suite failed the gate the user had turned off. Another value than 0 or 1 is now one usage
+    error naming the variable and its value (pytest's exit 4)."""
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\ntestpaths = tests\nchart_coverage =\n    calexec.machines.charts:KvTxnChart\n"
+        "chart_coverage_min = 100\n")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_sample.py").write_text("def test_nothing():\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["CALEXEC_TRANSITION_GATE"] = value
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 4, output
+    assert (f"CALEXEC_TRANSITION_GATE={value!r}: give 0 to turn the configured "
+            f"chart_coverage_min gate off, or 1 (or unset it) to keep it") in output, output
