@@ -456,6 +456,12 @@ class DeviceExecutor(SequenceOwnership):
         """Asked by the fault controller (``DeviceLifecycle.recovery_under_way``)."""
         return self.life.recovery_under_way()
 
+    def lifecycle_final(self) -> str | None:
+        """Asked by the fault controller: ``"Failed"``/``"Stopped"`` once the lifecycle
+        ended, else None (read without the lifecycle's lock)."""
+        run = self.life.run
+        return run.state if run.final else None
+
     def recover(self, reason: Status, reset: bool = True,
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, replace the generation, golden, reopen admission

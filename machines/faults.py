@@ -26,6 +26,10 @@ INVALID_REQUEST,
 UNAVAILABLE
 =====================  ==========================================================================
 
+Once the lifecycle ended (Failed, Stopped), or a STOP was decided, a report is part of the
+incident that ended it: counted in ``reported()``, decided ``none``, logged at INFO (never a
+second escalation: a hung job's ``device.hung`` after the ``execution.deadline`` that escalated).
+
 The controller never blocks the reporting thread: a recovery runs on its own thread (or, in
 stepped mode, waits for the test to call ``DeviceLifecycle.run_pending_recovery``). Every
 decision is kept in ``decisions`` (bounded) for logs, metrics and tests. Thresholds are
@@ -167,6 +171,9 @@ class FaultController:
         #: recovery is reported while Configuring/Warming, where no recovery is "under way":
         #: both of its reports counted, one hung golden job spending two recoveries
         self._counted_jobs: deque[int] = deque(maxlen=64)
+        #: a STOP was decided (``faults_mu``): the lifecycle ends Failed, for good. Every later
+        #: report, also one made before that ``fail()`` returned, is decided ``none``
+        self._stopped = False
 
     def attach(self, executor: FaultTarget) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
@@ -236,9 +243,24 @@ class FaultController:
             self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
             # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
             job_id = job.job_id if job is not None else status.job_id
-            under_way = (job_id is not None and job_id in self._counted_jobs) \
-                or self._requesting > 0 or (target is not None
-                                            and target.recovery_under_way())
+            counted = job_id is not None and job_id in self._counted_jobs
+            final = target.lifecycle_final() if target is not None else None
+            if final is None and self._stopped:
+                final = "Failed"  # a STOP decided: its ``fail()`` may not have returned yet
+            if final is not None:
+                # the lifecycle ended (Failed, Stopped): nothing is left to drain, reset or
+                # stop. A hung job's ``device.hung`` after the ``execution.deadline`` whose
+                # escalation ended it Failed was decided again, escalated again and logged
+                # as a second ``-> stop (escalation: ...)`` for one incident
+                decision = Decision(Action.NONE, status, (
+                    f"the lifecycle is already {final}: part of the incident that ended it; "
+                    "not counted"), self._clock.monotonic())
+                self.decisions.append(decision)
+                log.info("%sfault %s: the lifecycle is already %s; nothing to do (not counted)",
+                         "INJECTED " if injected else "", status, final)
+                return
+            under_way = counted or self._requesting > 0 or (
+                target is not None and target.recovery_under_way())
             decision = self.decide(status, under_way)
             requesting = not under_way and decision.action in (
                 Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK)
@@ -246,6 +268,7 @@ class FaultController:
                 self._requesting += 1
                 if job_id is not None:
                     self._counted_jobs.append(job_id)
+            self._stopped = self._stopped or decision.action is Action.STOP
             self.decisions.append(decision)
             if decision.action is Action.RECORD:
                 self.manifest_differences.append(status)
@@ -327,6 +350,12 @@ class FaultTarget(Protocol):
     def recovery_under_way(self) -> bool:
         """A recovery asked for from Ready has not reached its new generation yet (pending,
         Draining or Recovering); read without a lock, never blocks."""
+        ...
+
+    def lifecycle_final(self) -> str | None:
+        """The lifecycle's final state (``"Failed"``, ``"Stopped"``) once it ended, else
+        None; read without a lock, never blocks. A fault reported then is logged at INFO,
+        counted in ``reported()`` and decided ``none``: nothing is left to act on."""
         ...
 
 

@@ -476,7 +476,9 @@ def test_one_hung_job_spends_one_recovery_of_the_escalation_budget(calbins):
             assert isinstance(status, Status) and status.code == "execution.deadline", status
             states.append((wait_state(ex, ("Ready", "Failed")), len(ex.recoveries)))
         assert states == [("Ready", 1), ("Ready", 2), ("Failed", 2)], states
-        assert "escalation" in ex.faults.last().reason
+        stops = [d for d in ex.faults.decisions if d.action is Action.STOP]
+        assert len(stops) == 1 and "escalation" in stops[0].reason, stops
+        assert stops[0].status.code == "execution.deadline", stops
         hung = [d for d in ex.faults.decisions if d.status.code == "device.hung"]
         assert all("not counted" in d.reason for d in hung), [d.reason for d in hung]
 
