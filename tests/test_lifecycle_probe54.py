@@ -88,7 +88,12 @@ def test_serve_drains_when_the_lifecycle_ends_failed_with_a_request_on_the_devic
         assert isinstance(answer[0], tuple), answer
         code, body = answer[0]
         assert code == 503, (code, body[:200])
-        assert json.loads(body)["error"]["code"] == "execution.deadline"
+        # its job's execution deadline (a device fault) is resumed; the resume meets the
+        # Failed lifecycle and answers what a request sent then is told (stop 66, faults2:
+        # it was the ``execution.deadline`` resumed from)
+        error = json.loads(body)["error"]
+        assert error["code"] == "lifecycle.unavailable", error
+        assert error["message"].startswith("device lifecycle is Failed after device.test"), error
         assert emu.step(0, Stage.JOB) == (0, Did.SIGNAL)  # the device lets go: drained
         thread.join(60)
         assert not thread.is_alive(), "the server did not exit"

@@ -16,7 +16,8 @@ after the recovery they may trigger), and a generation replaced between two jobs
 ARTIFACT, COMPATIBILITY, PROGRAMMING, RESOURCE_EXHAUSTED, and never the client's own
 cancellation or deadline. Budget per request (``ServerConfig``): ``max_resumes`` resumes and
 ``resume_budget_s`` seconds lost to them in total; past it the request ends with the failure
-it would have got without resuming.
+it would have got without resuming. A resume whose lifecycle ended meanwhile (Failed, Stopped)
+ends with what a request sent then gets: 503 ``lifecycle.unavailable`` naming the failure.
 """
 
 from __future__ import annotations
@@ -125,10 +126,17 @@ class Resumer:
         refused = await self.service.admission.take(run, until)
         if refused is None or run.resume_started is None:
             return refused
+        if refused.category == Category.UNAVAILABLE:
+            # the lifecycle ended (Failed, Stopped; the only 503 a resume's wait is refused
+            # with: a drain or a full queue refuses no resume): the answer a request sent now
+            # gets, naming the failure that ended it. The failure resumed from was answered:
+            # 503 "generation 2 retired ...; retry" or "device.ccu_exception", telling the
+            # client to retry a device that will not serve again without an operator
+            return refused
         if refused.category == Category.DEADLINE and time.monotonic() < run.deadline:
             self.exhausted.inc()  # the resume time budget ran out before the deadline
-        # the resume gave up (deadline, budget, lifecycle Failed, executor stopped): the
-        # client gets the failure it would have got without resuming
+        # the resume gave up (deadline, budget): the client gets the failure it would have
+        # got without resuming
         return run.resume_failure
 
     def resumed(self, run: Any) -> None:
