@@ -86,3 +86,36 @@ def test_any_report_after_a_stop_is_not_a_second_escalation(tmp_path, caplog):
         assert _reported(ex, "device.hung") == 2 and _reported(ex, "device.ccu_exception") == 1
     finally:
         ex.shutdown(5.0)
+
+
+def test_a_second_report_while_the_stop_is_still_being_applied_is_not_an_escalation(
+        tmp_path, caplog):
+    """The hung job's ``device.hung`` reported while the STOP of its ``execution.deadline``
+    is still being applied (``request_recovery`` has not ended the lifecycle yet: another
+    thread reports meanwhile) is the same incident: decided ``none``, one ``-> stop`` line."""
+    ex = make_executor(write_calbin(tmp_path), threads=False,
+                       recovery=RecoveryPolicy(max_recoveries=0))
+    try:
+        request_recovery = ex.request_recovery
+        hung = Status.failure("device.hung", Category.DEVICE, Phase.WAIT,
+                              "the device never let go", job_id=7)
+        states = []
+
+        def meanwhile(decision):
+            states.append(ex.state)  # not Failed yet
+            if len(states) == 1:  # once: the old code's second STOP comes back here
+                ex.faults.report(hung)
+            request_recovery(decision)
+
+        ex.request_recovery = meanwhile
+        with caplog.at_level(logging.INFO, logger="calexec.faults"):
+            ex.faults.report(Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
+                                            "execution deadline passed", job_id=7))
+        assert states == ["Ready"] and ex.state == "Failed", (states, ex.faults.decisions)
+        actions = [(d.status.code, d.action) for d in ex.faults.decisions]
+        assert actions == [("execution.deadline", Action.STOP),
+                           ("device.hung", Action.NONE)], actions
+        stops = [r.getMessage() for r in caplog.records if "-> stop" in r.getMessage()]
+        assert len(stops) == 1, stops
+    finally:
+        ex.shutdown(5.0)
