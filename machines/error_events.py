@@ -13,8 +13,13 @@ of python-statemachine instances (any chart class: the synchronous engine's
 ``select_transitions`` and ``processing_loop`` are wrapped while a monitor is enabled: an
 ``error.execution`` left queued when the chart stopped in a top-level final state, as an
 action of the transition into it raised, is dropped too) and of compiled general runs
-(``machines/statechart_run.py`` calls ``report_untaken``), until its ``disable()``. An
-instance of a chart with async callbacks (the async engine) is not heard.
+(``machines/statechart_run.py`` calls ``report_untaken``), until its ``disable()``; an
+instance of a chart with async callbacks (python-statemachine's async engine, which a
+synchronous ``send`` drives in a loop of its own) is heard the same way. An error a callback
+raises while the chart handles ``error.execution`` (the action of ``error_execution =
+a.to(b, on=...)``), which python-statemachine logs as "Error while processing
+error.execution, ignoring" and drops whatever transitions the chart declares, is recorded too
+(``UnhandledError.while_handling``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 import statemachine
+from statemachine.engines.async_ import AsyncEngine
+from statemachine.engines.base import BaseEngine
 from statemachine.engines.sync import SyncEngine
 
 if TYPE_CHECKING:
@@ -43,17 +50,26 @@ _HERE = os.path.realpath(os.path.dirname(__file__))
 class UnhandledError:
     """One ``error.execution`` no transition took: the ``chart`` (its class name), the
     active ``states`` then, the ``error`` and the ``callback`` (``name (file:line)``) it was
-    raised in (None when not known: the event was sent by hand)."""
+    raised in (None when not known: the event was sent by hand). ``while_handling``: the
+    error was raised while the chart handled an ``error.execution`` (no transition can take
+    it: python-statemachine drops it, to break a loop of errors)."""
 
     chart: str
     states: tuple[str, ...]
     error: BaseException | None
     callback: str | None
+    while_handling: bool = False
 
     def __str__(self) -> str:
         what = ("error.execution was sent with no error" if self.error is None
                 else f"{type(self.error).__name__}: {self.error}")
         where = f"callback {self.callback} raised " if self.callback is not None else ""
+        if self.while_handling:
+            return (f"{self.chart} (states {list(self.states)}): {where}{what} while the "
+                    f"chart handled error.execution, so python-statemachine dropped it (an "
+                    f"error raised there is never an event, whatever the chart declares: "
+                    f"catch it in that callback, or let the error.execution transition only "
+                    f"move to a state whose own actions cannot fail)")
         return (f"{self.chart} (states {list(self.states)}): {where}{what}; the chart's "
                 f"error.execution event was taken by no transition, so StateChart's "
                 f"catch_errors_as_events dropped the error (declare where it goes, e.g. "
@@ -82,12 +98,19 @@ class ErrorMonitor:
             if not _MONITORS:
                 SyncEngine.select_transitions = _ORIGINAL  # type: ignore[method-assign]
                 SyncEngine.processing_loop = _LOOP  # type: ignore[method-assign]
+                AsyncEngine.select_transitions = _ASYNC_ORIGINAL  # type: ignore[method-assign]
+                AsyncEngine.processing_loop = _ASYNC_LOOP  # type: ignore[method-assign]
+                BaseEngine._send_error_execution = _SEND  # type: ignore[method-assign]
 
 
 _SETUP = threading.Lock()
 _MONITORS: list[ErrorMonitor] = []
 _ORIGINAL = SyncEngine.select_transitions
 _LOOP = SyncEngine.processing_loop
+_ASYNC_ORIGINAL = AsyncEngine.select_transitions
+_ASYNC_LOOP = AsyncEngine.processing_loop
+#: (both engines inherit it: an error raised while error.execution is handled ends there)
+_SEND = BaseEngine._send_error_execution
 
 
 def watch_unhandled_errors() -> ErrorMonitor:
@@ -97,6 +120,9 @@ def watch_unhandled_errors() -> ErrorMonitor:
         if not _MONITORS:
             SyncEngine.select_transitions = _heard  # type: ignore[method-assign]
             SyncEngine.processing_loop = _looped  # type: ignore[method-assign]
+            AsyncEngine.select_transitions = _heard_async  # type: ignore[method-assign]
+            AsyncEngine.processing_loop = _looped_async  # type: ignore[method-assign]
+            BaseEngine._send_error_execution = _sent  # type: ignore[method-assign]
         _MONITORS.append(monitor)
     return monitor
 
@@ -118,6 +144,39 @@ def _looped(self: SyncEngine) -> object:
                 report_untaken(self.sm, trigger)
 
 
+async def _heard_async(self: AsyncEngine,
+                       trigger_data: TriggerData) -> OrderedSet[Transition]:
+    enabled = await _ASYNC_ORIGINAL(self, trigger_data)
+    if not enabled:
+        report_untaken(self.sm, trigger_data)
+    return enabled
+
+
+async def _looped_async(self: AsyncEngine, caller_future: object = None) -> object:
+    try:
+        return await _ASYNC_LOOP(self, caller_future)  # type: ignore[arg-type]
+    finally:
+        if not self.running:  # as _looped: what a top-level final state left queued
+            for trigger in self.internal_queue.drain():
+                report_untaken(self.sm, trigger)
+
+
+def _sent(self: BaseEngine, error: Exception, trigger_data: TriggerData) -> None:
+    if trigger_data.event is not None and str(trigger_data.event) == ERROR_EXECUTION:
+        report_dropped(self.sm, error)
+    _SEND(self, error, trigger_data)
+
+
+def report_dropped(machine: object, error: BaseException) -> None:
+    """``error`` was raised while ``machine`` handled ``error.execution``, and is dropped:
+    reported to every enabled monitor."""
+    if not _MONITORS:
+        return
+    _report(UnhandledError(type(machine).__name__,
+                           _states(getattr(machine, "configuration", ())), error,
+                           _callback(error), while_handling=True))
+
+
 def report_untaken(machine: object, trigger: TriggerData) -> None:
     """``trigger`` enabled no transition of ``machine``: reported to every enabled monitor
     when it is an ``error.execution`` (else nothing)."""
@@ -125,9 +184,12 @@ def report_untaken(machine: object, trigger: TriggerData) -> None:
         return
     error = trigger.kwargs.get("error")
     states = _states(getattr(machine, "configuration", ()))
-    found = UnhandledError(type(machine).__name__, states,
+    _report(UnhandledError(type(machine).__name__, states,
                            error if isinstance(error, BaseException) else None,
-                           _callback(error) if isinstance(error, BaseException) else None)
+                           _callback(error) if isinstance(error, BaseException) else None))
+
+
+def _report(found: UnhandledError) -> None:
     with _SETUP:
         monitors = list(_MONITORS)
     for monitor in monitors:

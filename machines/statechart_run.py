@@ -83,7 +83,7 @@ from calexec.machines.chart_support import (
     UnsupportedChart,
     class_listeners,
 )
-from calexec.machines.error_events import report_untaken
+from calexec.machines.error_events import report_dropped, report_untaken
 from calexec.machines.guard_expr import holds
 
 if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
@@ -883,7 +883,9 @@ class StatechartRun:
         if not self.catch_errors_as_events:
             raise error
         if trigger.event and str(trigger.event) == _ERROR_EXECUTION:
-            return  # an error while handling error.execution is dropped, as psm does
+            # dropped, as psm does (an error.execution of its own could loop), but heard
+            report_dropped(self.machine, error)
+            return
         self._raise_internal(_ERROR_EXECUTION, error=error)
 
     def _args_kwargs(self, transition: Any, trigger: TriggerData, target: Any = None,
