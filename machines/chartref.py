@@ -53,7 +53,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             # enums.py, src/enums.py: a file, whose ".py" read as a class ('enums:py')
             dotted = _module_under(os.path.abspath(cwd or os.getcwd()), ref)
             stem = os.path.splitext(os.path.basename(ref))[0]
-            hint = (f"; {ref!r} is a file path, not a module name: name its module and a chart "
+            packaged = _package_module(os.path.join(os.path.abspath(cwd or os.getcwd()), ref))
+            if packaged is not None and packaged[0] != os.path.abspath(cwd or os.getcwd()):
+                dotted = None
+            hint = (f"; {ref!r} is a file path, not a module name: "
+                    f"{_in_package(packaged, 'CLASS')}" if dotted is None and packaged is not None
+                    else f"; {ref!r} is a file path, not a module name: name its module and a chart "
                     f"class it declares after a colon, {dotted}:CLASS" if dotted is not None
                     else f"; {ref!r} is a file path, not a module name: run from the directory "
                     f"that holds it and name its module and a chart class it declares after a "
@@ -71,6 +76,13 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
+        packaged = _package_module(os.path.join(root, module_name))
+        if packaged is not None and packaged[0] != root:
+            # (acme/charts/door.py, a module of package acme.charts: the file's own name,
+            # door:Door, fails on its relative imports, w.acme.charts.door:Door is another
+            # module than the tests' acme.charts.door)
+            raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
+                                f"{_in_package(packaged, class_name)}")
         dotted = _module_under(root, module_name)
         if dotted is not None and "." in dotted:
             raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
@@ -118,7 +130,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                 "sys.exit() with no code" if isinstance(err, SystemExit) else "no message")
             hint = ""
             if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
-                hint = _found_below(root, module_name)
+                hint = _found_below(root, module_name) or _found_above(root, module_name)
             hint += _same_ids_hint(err) + _package_hint(err, root, module_name, class_name)
             if (not hint and isinstance(err, ModuleNotFoundError) and err.name
                     and module_name.startswith(err.name)):
@@ -380,6 +392,55 @@ def _package_hint(err: BaseException, root: str, module_name: str, class_name: s
     dotted = ".".join(parts)
     return (f"; {module_name} is module {dotted} of a package: run from {directory} and name "
             f"{dotted}:{class_name}")
+
+
+def _package_module(path: str) -> tuple[str, str] | None:
+    """``(directory, dotted)`` for a module file ``path`` (``.py`` optional) whose directory is
+    a package (holds an ``__init__.py``): the directory holding its top package, from which
+    ``import dotted`` finds it, and its dotted name; None for a file of no package, or a
+    package part that is no identifier."""
+    full = os.path.normpath(path if path.endswith(".py") else path + ".py")
+    directory, name = os.path.split(full)
+    stem = name[:-len(".py")]
+    if not (os.path.isfile(full) and stem.isidentifier()
+            and os.path.isfile(os.path.join(directory, "__init__.py"))):
+        return None
+    parts = [] if stem == "__init__" else [stem]
+    while os.path.isfile(os.path.join(directory, "__init__.py")):
+        directory, package = os.path.split(directory)
+        if not package.isidentifier():
+            return None
+        parts.insert(0, package)
+    return directory, ".".join(parts)
+
+
+def _in_package(packaged: tuple[str, str], class_name: str) -> str:
+    """What to name for a module file of a package, imported from ``packaged``'s directory."""
+    directory, dotted = packaged
+    return (f"it is module {dotted} of a package (its directory holds an __init__.py): run "
+            f"from {directory} and name {dotted}:{class_name} (or put {directory} on the "
+            f"path: PYTHONPATH={directory})")
+
+
+def _found_above(root: str, module_name: str, depth: int = 5) -> str:
+    """``; acme.charts.door is /src/acme/charts/door.py, imported from /src, above this
+    directory: run from there ...`` when ``module_name`` is a module of a directory above
+    ``root`` (at most ``depth`` up): the command was run from inside the project (its
+    package), where the top package is not importable; "" when none is."""
+    directory = root
+    for _ in range(depth):
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return ""
+        directory = parent
+        if _is_module_file(directory, module_name):
+            base = os.path.join(directory, *module_name.split("."))
+            shown = (base + ".py" if os.path.isfile(base + ".py")
+                     else os.path.join(base, "__init__.py"))
+            return (f"; {module_name} is {shown}, imported from {directory}, above this "
+                    f"directory: run from there (or put it on the path: "
+                    f"PYTHONPATH={directory})")
+    return ""
 
 
 def _is_module_file(root: str, dotted: str) -> bool:

@@ -5,8 +5,12 @@ door chart inside a package. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from statemachine import State, StateChart
 
+from calexec.cli import main as cli
 from calexec.drivers.tools.interleave import explore_threads, replay_threads
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import compiled
@@ -84,3 +88,73 @@ def test_the_opt_out_lets_both_pass() -> None:
         result = explore_threads(_sending(chart, "go"), seeds=range(2),
                                  ignore_unhandled_errors=True)
         assert result.failure is None and result.schedules == 2
+
+
+_DOOR = '''from statemachine import State, StateMachine
+
+from .rules import MAX_TRIES
+
+
+class Door(StateMachine):
+    closed = State(initial=True)
+    locked = State()
+    lock = closed.to(locked)
+    unlock = locked.to(closed)
+'''
+
+
+def _package(root: Path) -> Path:
+    """``root/acme/charts/door.py``, a chart of package ``acme.charts`` with a relative import."""
+    charts = root / "acme" / "charts"
+    charts.mkdir(parents=True)
+    (root / "acme" / "__init__.py").write_text("")
+    (charts / "__init__.py").write_text("")
+    (charts / "rules.py").write_text("MAX_TRIES = 3\n")
+    (charts / "door.py").write_text(_DOOR)
+    return charts
+
+
+@pytest.mark.parametrize("ref", ["door.py:Door", "../../acme/charts/door.py:Door", "door.py"])
+def test_a_package_charts_file_named_from_inside_its_package_names_the_package_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        ref: str) -> None:
+    """Run inside ``acme/charts/``, ``charts paths door.py:Door`` was told to name ``door:Door``,
+    which then failed on the module's relative import (a second round trip to the right
+    answer); it now names ``acme.charts.door`` and where to run from."""
+    monkeypatch.chdir(_package(tmp_path))
+    assert cli(["charts", "paths", ref]) == 2
+    err = capsys.readouterr().err
+    klass = "CLASS" if ref == "door.py" else "Door"
+    assert (f"it is module acme.charts.door of a package (its directory holds an __init__.py):"
+            f" run from {tmp_path} and name acme.charts.door:{klass}") in err, err
+    assert "door:Door" not in err.replace("acme.charts.door:Door", ""), err
+
+
+def test_a_package_charts_file_named_by_its_absolute_path_names_the_package_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """From a directory above the project, the file's path was answered with a dotted name
+    through every directory (``w.proj.acme.charts.door:Door``): a namespace-package import of
+    another module than the one the tests import; it now names ``acme.charts.door``."""
+    charts = _package(tmp_path / "proj")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "paths", f"{charts / 'door.py'}:Door"]) == 2
+    err = capsys.readouterr().err
+    assert (f"run from {tmp_path / 'proj'} and name acme.charts.door:Door") in err, err
+    assert "proj.acme" not in err, err
+
+
+def test_a_package_module_named_from_inside_the_package_says_where_to_run_from(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts paths acme.charts.door:Door`` run inside ``acme/charts/`` said only ``No module
+    named 'acme'``; it now names the file and the directory to run from."""
+    charts = _package(tmp_path)
+    monkeypatch.chdir(charts)
+    assert cli(["charts", "paths", "acme.charts.door:Door"]) == 2
+    err = capsys.readouterr().err
+    assert (f"acme.charts.door is {charts / 'door.py'}, imported from {tmp_path}, above this "
+            f"directory: run from there (or put it on the path: PYTHONPATH={tmp_path})"
+            ) in err, err
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert cli(["charts", "paths", "acme.charts.door:Door"]) == 0
