@@ -149,10 +149,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             raise ChartRefError(ref, f"reading {class_name!r} of module {module_name!r} "
                                 f"raised {type(err).__name__}: {_first_line(str(err))}") from err
         if found is missing:
+            _refuse_shadowed(ref, root, module_name, module)
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)"
                                 f"{_near_chart(owner, part) or _no_chart(module)}")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
+        _refuse_shadowed(ref, root, module_name, module)
         raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass){_near_chart(owner, '') or _no_chart(module)}")
@@ -392,6 +394,28 @@ def _package_hint(err: BaseException, root: str, module_name: str, class_name: s
     dotted = ".".join(parts)
     return (f"; {module_name} is module {dotted} of a package: run from {directory} and name "
             f"{dotted}:{class_name}")
+
+
+def _refuse_shadowed(ref: str, root: str, module_name: str, module: object) -> None:
+    """Refuse ``ref`` when ``module_name`` names a module file under ``root`` but the module
+    imported is another file: one of that name imported already (python's ``queue``,
+    ``tokenize``, a module calexec or a plugin imported first), which ``import`` returns
+    before looking at ``root``. ``queue:Q`` with the chart in ./queue.py was answered
+    ``module 'queue' has no attribute 'Q' ...; module 'queue' declares no chart class``."""
+    base = os.path.join(root, *module_name.split("."))
+    mine = next((path for path in (base + ".py", os.path.join(base, "__init__.py"))
+                 if os.path.isfile(path)), None)
+    imported = getattr(module, "__file__", None)
+    if mine is None or (isinstance(imported, str)
+                        and os.path.realpath(imported) == os.path.realpath(mine)):
+        return
+    where = imported if isinstance(imported, str) else "built into python"
+    top = module_name.split(".")[0]
+    yours = os.path.relpath(mine, root)
+    raise ChartRefError(ref, f"module {module_name!r} is not {yours} but another module of "
+                        f"that name imported already ({where}), which import returns: "
+                        f"{yours} is never read; rename your {top!r} (e.g. {top}_chart, "
+                        f"then {top}_chart{module_name[len(top):]}:{ref.partition(':')[2]})")
 
 
 def _package_module(path: str) -> tuple[str, str] | None:

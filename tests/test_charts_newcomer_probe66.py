@@ -5,6 +5,7 @@ door chart inside a package. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,25 @@ def test_a_package_module_named_from_inside_the_package_says_where_to_run_from(
             ) in err, err
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli(["charts", "paths", "acme.charts.door:Door"]) == 0
+
+
+def test_a_chart_module_named_as_a_module_imported_already_says_it_is_never_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The chart in ``./queue.py`` named ``queue:Q``: python's ``queue``, imported already, is
+    what ``import`` returns, and the answer was ``module 'queue' has no attribute 'Q' (expected
+    a chart class there); module 'queue' declares no chart class``, of a file that declares it;
+    it now says the file is never read and to rename it."""
+    (tmp_path / "queue.py").write_text(
+        "from statemachine import State, StateMachine\n\n\nclass Q(StateMachine):\n"
+        "    a = State(initial=True)\n    b = State(final=True)\n    go = a.to(b)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (load_chart puts tmp_path first)
+    assert cli(["charts", "paths", "queue:Q"]) == 2
+    err = capsys.readouterr().err
+    assert "declares no chart class" not in err, err
+    assert ("module 'queue' is not queue.py but another module of that name imported already ("
+            f"{sys.modules['queue'].__file__}), which import returns: queue.py is never read; "
+            "rename your 'queue' (e.g. queue_chart, then queue_chart:Q)") in err, err
+    (tmp_path / "queue.py").rename(tmp_path / "queue_chart.py")
+    assert cli(["charts", "paths", "queue_chart:Q"]) == 0
