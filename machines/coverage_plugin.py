@@ -4,7 +4,8 @@ chart class over a test run, and a gate.
     pytest --chart-coverage=order_workflow:OrderWorkflow --chart-coverage-min=100
 
 ``--chart-coverage=MODULE:CLASS`` (repeatable; ``MODULE`` imported from the directory pytest is
-run from) records, through a listener (``coverage.track``), every transition any run of that
+run from; one in the configuration from the directory of its file, ``rootdir``, wherever pytest
+is run from) records, through a listener (``coverage.track``), every transition any run of that
 class takes during the session: a python-statemachine instance or a compiled run. At the end
 one line per chart, ``transition coverage <chart>: <covered>/<declared>``; with
 ``--chart-coverage-min=PCT`` a passing run whose coverage of a chart is below ``PCT`` percent
@@ -118,6 +119,18 @@ def _gate_on() -> bool:
     return text != "0"
 
 
+def _base(config: pytest.Config, given_by_flag: bool) -> str:
+    """The directory a chart reference is imported from: the one pytest is run from for a
+    flag, the configuration file's (pytest's ``rootdir`` when there is none) for a configured
+    value, as pytest reads ``testpaths`` and ``pythonpath`` there: ``pytest`` run in a
+    subdirectory of the project was refused ``No module named ...`` for the project's own
+    configured chart."""
+    if given_by_flag:
+        return str(config.invocation_params.dir)
+    inipath = config.inipath
+    return str(inipath.parent if inipath is not None else config.rootpath)
+
+
 def _configure_contracts(config: pytest.Config) -> None:
     flags = list(config.getoption("chart_contracts") or [])
     refs = list(dict.fromkeys(list(config.getini("chart_contracts")) + flags))
@@ -130,7 +143,7 @@ def _configure_contracts(config: pytest.Config) -> None:
     charts = []
     for ref in refs:
         try:
-            declaration = load_chart(ref, str(config.invocation_params.dir))
+            declaration = load_chart(ref, _base(config, ref in flags))
             # a chart no run takes, a contract naming no state; none: nothing would be checked
             if not declared_contracts(declaration):
                 raise ValueError(
@@ -178,7 +191,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     for ref in dict.fromkeys(configured + refs):
         try:
-            declaration = load_chart(ref, str(config.invocation_params.dir))
+            declaration = load_chart(ref, _base(config, ref in refs))
             first = named.setdefault(declaration.__name__, (ref, declaration))
             if first[1] is not declaration:
                 problem = (f"{given(ref)} and {given(first[0])}: two "

@@ -5,6 +5,8 @@ door chart inside a package. Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,3 +183,32 @@ def test_a_chart_module_named_as_a_module_imported_already_says_it_is_never_read
             "rename your 'queue' (e.g. queue_chart, then queue_chart:Q)") in err, err
     (tmp_path / "queue.py").rename(tmp_path / "queue_chart.py")
     assert cli(["charts", "paths", "queue_chart:Q"]) == 0
+
+
+def test_a_configured_chart_is_imported_from_the_configurations_directory(
+        tmp_path: Path) -> None:
+    """``chart_coverage = ["acme.charts.door:Door"]`` in the project's configuration, pytest run
+    in a subdirectory (``cd acme/charts; pytest ../../test_door.py``) was refused, exit 4,
+    ``No module named 'acme'``: the configured chart was imported from the directory pytest
+    was run from, where pytest reads ``testpaths`` and ``pythonpath`` from the configuration's
+    own; it is imported from there now (a flag's still from where pytest is run)."""
+    charts = _package(tmp_path)
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nchart_coverage = acme.charts.door:Door\nchart_coverage_min = 100\n")
+    (tmp_path / "test_door.py").write_text(
+        "from acme.charts.door import Door\n\n\ndef test_door():\n    door = Door()\n"
+        "    door.send('lock')\n    door.send('unlock')\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_ADDOPTS", "CALEXEC_TRANSITION_GATE", "PYTHONPATH")}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+               "../../test_door.py"]
+    done = subprocess.run(command, cwd=charts, env=env, capture_output=True, text=True,
+                          timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "transition coverage Door: 2/2" in output, output
+    flagged = subprocess.run([*command, "--chart-coverage=acme.charts.door:Door"], cwd=charts,
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert flagged.returncode == 4, flagged.stdout + flagged.stderr
+    assert (f"--chart-coverage='acme.charts.door:Door': cannot import module 'acme.charts.door'"
+            f" from {charts}") in flagged.stdout + flagged.stderr
