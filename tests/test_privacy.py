@@ -79,6 +79,13 @@ THIRD_PARTY = {
                "that one is, machines/statechart_run.py names which ones it refuses "
                "(tests/test_charts_support.py::"
                "test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them)",
+    "_send_error_execution": "python-statemachine BaseEngine (both engines): where an error "
+                             "raised while ``error.execution`` is handled is dropped, logged "
+                             "only (no event, no listener call, nothing public says so); "
+                             "machines/error_events.py wraps it while a monitor is enabled, so "
+                             "the explorer hears it (tests/test_charts_newcomer_probe66.py::"
+                             "test_an_error_raised_while_handling_error_execution_fails_the_"
+                             "schedule)",
 }
 
 #: the files that read each of ``THIRD_PARTY`` (paths from the repository's root), and no
@@ -99,6 +106,7 @@ THIRD_PARTY_READ_IN: dict[str, frozenset[str]] = {
     "_registry": frozenset({"machines/chart_support.py"}),
     "_actions": frozenset({"tests/test_cli.py"}),
     "_iscoro": frozenset({"machines/statechart_run.py"}),
+    "_send_error_execution": frozenset({"machines/error_events.py"}),
 }
 
 ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
