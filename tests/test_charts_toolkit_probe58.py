@@ -3,6 +3,7 @@ fault state and history) through every command, as docs/framework.md tells it.""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,17 @@ class Parcel:
     ("pkg58.locker.ParcelLocker", "; did you mean 'pkg58.locker:ParcelLocker'?"),
 ])
 def test_a_typo_in_the_module_or_class_of_a_chart_reference_says_what_is_there(
-        tmp_path: Path, ref: str, hint: str) -> None:
+        tmp_path: Path, ref: str, hint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found at stop 58: ``locker:Parcellocker`` (a case slip) was refused as ``module
     'locker' has no attribute 'Parcellocker'`` and ``lockr:ParcelLocker`` as ``No module named
     'lockr'``, leaving the newcomer to find the name; ``locker:Parcel`` (a plain class of the
     module) said only that it is no chart. Each now ends with the near name (``did you mean
     'ParcelLocker'?``), or, with none near, the module's chart classes; a dotted
     ``locker.ParcelLocker`` names the reference with its colon."""
+    # each case reads its own files, as each command of the CLI does: the module another
+    # case imported from its directory would be refused as shadowing this one's (stop 66)
+    for name in ("locker58", "pkg58", "pkg58.locker"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     (tmp_path / "locker58.py").write_text(LOCKER, encoding="utf-8")
     (tmp_path / "pkg58").mkdir()
     (tmp_path / "pkg58" / "__init__.py").write_text("", encoding="utf-8")
