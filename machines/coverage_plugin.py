@@ -32,6 +32,12 @@ any was recorded (one a caught exception hid included) fails, naming the first. 
 declares no contract is a usage error (pytest's exit 4, one line naming it): the session
 would check nothing while the option says it checks.
 
+Under pytest-xdist (``-n 2``) each worker records the transitions and contract violations of
+the tests it ran and sends them to the controller at its end (``config.workeroutput``: plain
+lists); the controller merges every worker's (``pytest_testnodedown``), judges the gate once
+on the union, prints the summary once and fails the run on a violation any worker recorded,
+as one process would. Without xdist the plugin needs none of it.
+
 Under ``calexec charts mutate`` (``CALEXEC_CHART_MUTANT`` set) a chart the unmutated run
 imported and the mutant's run cannot (python-statemachine refuses a subclass the mutant left a
 state unreachable in) ends the session as failed tests (exit 1, one line naming it): the tests
@@ -59,6 +65,10 @@ if TYPE_CHECKING:
 MUTANT_ENV = "CALEXEC_CHART_MUTANT"
 
 _STATE = pytest.StashKey["_Session"]()
+#: violations (their text) the xdist workers recorded, merged on the controller
+_WORKER_VIOLATIONS = pytest.StashKey[list[str]]()
+#: the key of ``config.workeroutput`` a worker's record travels under (execnet: plain types)
+WORKER_OUTPUT = "calexec_chart_coverage"
 _CONTRACTS: pytest.StashKey[ContractMonitor] = pytest.StashKey()
 GATE_ENV = "CALEXEC_TRANSITION_GATE"
 
@@ -69,6 +79,8 @@ class _Session:
         self.charts, self.recorder, self.minimum = charts, recorder, minimum
         self.whole_suite_only, self.undo = whole_suite_only, undo
         self.deselected = False
+        #: the summary's hints (a chart imported under a second name) an xdist worker saw
+        self.worker_notes: list[str] = []
         self.failed: list[ChartCoverage] = []
         #: why the configured gate did not judge this run ("-k", ...; None: it did, or none)
         self.not_judged: str | None = None
@@ -252,11 +264,61 @@ def _partial(config: pytest.Config, state: _Session) -> str | None:
     return "paths or node ids given"
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """An xdist worker's session: its tests' record goes to the controller, which judges."""
+    return hasattr(config, "workerinput")
+
+
+def _send_to_controller(config: pytest.Config) -> None:
+    """The worker's record as plain types (execnet carries nothing else) in
+    ``config.workeroutput``, which xdist hands to the controller's ``pytest_testnodedown``."""
+    contracts = config.stash.get(_CONTRACTS, None)
+    state = config.stash.get(_STATE, None)
+    record: dict[str, object] = {
+        "violations": [str(v) for v in contracts.violations] if contracts is not None else [],
+    }
+    if state is not None:
+        record["hits"] = sorted([name, ident] for name, ident in state.recorder.hits)
+        record["deselected"] = state.deselected
+        record["notes"] = _twin_notes(config, state)
+    output: dict[str, object] = config.workeroutput  # type: ignore[attr-defined]
+    output[WORKER_OUTPUT] = record
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """(xdist, on the controller) merge a worker's record into the controller's session."""
+    output = getattr(node, "workeroutput", None)
+    record = output.get(WORKER_OUTPUT) if isinstance(output, dict) else None
+    if not isinstance(record, dict):  # (a worker that crashed: its tests failed the run)
+        return
+    config: pytest.Config = node.config
+    violations = config.stash.setdefault(_WORKER_VIOLATIONS, [])
+    violations.extend(str(v) for v in record.get("violations", []))
+    state = config.stash.get(_STATE, None)
+    if state is None:
+        return
+    state.recorder.hits.update((str(name), int(ident)) for name, ident in record.get("hits", []))
+    state.deselected = state.deselected or bool(record.get("deselected"))
+    for note in record.get("notes", []):
+        if note not in state.worker_notes:
+            state.worker_notes.append(str(note))
+
+
+def _violations(config: pytest.Config) -> list[str]:
+    """Every contract violation of the run: this process's and its xdist workers'."""
+    contracts = config.stash.get(_CONTRACTS, None)
+    own = [str(v) for v in contracts.violations] if contracts is not None else []
+    return own + config.stash.get(_WORKER_VIOLATIONS, [])
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    contracts = config.stash.get(_CONTRACTS, None)
-    if contracts is not None and contracts.violations:  # one a caught exception hid too
+    if _is_worker(config):
+        _send_to_controller(config)
+        return
+    if _violations(config):  # one a caught exception hid too
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     state = config.stash.get(_STATE, None)
     if state is None or state.minimum is None or exitstatus != 0:
@@ -275,14 +337,16 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
                             config: pytest.Config) -> None:
-    contracts = config.stash.get(_CONTRACTS, None)
-    if contracts is not None and contracts.violations:
-        terminalreporter.write_line(f"chart contracts: {len(contracts.violations)} violation(s); "
-                                    f"the first: {contracts.violations[0]}", red=True)
+    if _is_worker(config):
+        return
+    violations = _violations(config)
+    if violations:
+        terminalreporter.write_line(f"chart contracts: {len(violations)} violation(s); "
+                                    f"the first: {violations[0]}", red=True)
     state = config.stash.get(_STATE, None)
     if state is None:
         return
-    from calexec.machines.coverage import describe, import_directory, other_imports, report
+    from calexec.machines.coverage import describe, report
 
     coverages = report(state.charts, state.recorder)
     for coverage in coverages:
@@ -294,6 +358,22 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
             f"transition coverage gate chart_coverage_min={state.minimum:g} not applied: a "
             f"partial run ({state.not_judged}); it judges a run of the whole suite",
             yellow=True)
+    for note in dict.fromkeys(_twin_notes(config, state) + state.worker_notes):
+        terminalreporter.write_line(note, yellow=True)
+    for coverage in state.failed:
+        terminalreporter.write_line(
+            f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "
+            f"{state.minimum:g} %; untaken transitions:", red=True)
+        for transition in coverage.untaken:
+            terminalreporter.write_line(f"    {describe(transition)}")
+
+
+def _twin_notes(config: pytest.Config, state: _Session) -> list[str]:
+    """One hint per chart file the tests imported under a second module name too (its runs
+    there are another class's, not counted)."""
+    from calexec.machines.coverage import import_directory, other_imports
+
+    notes = []
     for declaration in state.charts:
         for twin in other_imports(declaration):
             # (a directory the tests put on sys.path themselves, after the plugin imported the
@@ -305,13 +385,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
                 f", with {where} on the path as pytest starts: PYTHONPATH={where}, or "
                 f"pythonpath = {where} in the pytest configuration; the tests put it on "
                 f"sys.path themselves, after the chart was imported")
-            terminalreporter.write_line(
+            notes.append(
                 f"transition coverage {declaration.__name__}: the tests imported its file as "
                 f"module {twin!r} too, another class whose runs are not counted: name the "
-                f"chart as they import it ({twin}:{declaration.__name__}{path})", yellow=True)
-    for coverage in state.failed:
-        terminalreporter.write_line(
-            f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "
-            f"{state.minimum:g} %; untaken transitions:", red=True)
-        for transition in coverage.untaken:
-            terminalreporter.write_line(f"    {describe(transition)}")
+                f"chart as they import it ({twin}:{declaration.__name__}{path})")
+    return notes
