@@ -286,13 +286,14 @@ def _send_to_controller(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: object) -> None:
-    """(xdist, on the controller) merge a worker's record into the controller's session."""
+def pytest_testnodedown(node: object, error: object) -> None:
+    """(xdist, on the controller) merge a worker's record into the controller's session
+    (``node``: xdist's ``WorkerController``, its ``config`` and ``workeroutput``)."""
     output = getattr(node, "workeroutput", None)
     record = output.get(WORKER_OUTPUT) if isinstance(output, dict) else None
-    if not isinstance(record, dict):  # (a worker that crashed: its tests failed the run)
-        return
-    config: pytest.Config = node.config
+    config = getattr(node, "config", None)
+    if not isinstance(record, dict) or not isinstance(config, pytest.Config):
+        return  # (a worker that crashed: its tests failed the run)
     violations = config.stash.setdefault(_WORKER_VIOLATIONS, [])
     violations.extend(str(v) for v in record.get("violations", []))
     state = config.stash.get(_STATE, None)
