@@ -177,8 +177,11 @@ class FaultController:
 
     def attach(self, executor: FaultTarget) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
-        (``faults_mu``) from its lock order."""
+        (``faults_mu``) from its lock order. A STOP decided for the executor attached before
+        is that one's: the new one's faults are decided again (a controller kept across
+        executors decided every fault of the next one ``none``, its hung jobs never reset)."""
         self.executor = executor
+        self._stopped = False
         locks = getattr(executor, "locks", None)
         if locks is not None:
             self._mu = locks.lock(FAULTS)
