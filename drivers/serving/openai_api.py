@@ -1425,16 +1425,33 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 f"Please reduce the length of the {prompt_param}."), prompt_param)
         return limit - prompt_len
 
-    #: the worker threads compiling grammars at once (:func:`compiled`)
+    #: the requests compiling a grammar now (:func:`compiled`), each in one of as many
+    #: worker threads (``compile_threads``, never waited for: a turn here is taken first)
     compiles = anyio.CapacityLimiter(GRAMMAR_THREADS)
+    compile_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
 
-    async def compiled(build: Callable[..., Any], *args: Any) -> Any:
+    async def compiled(timeout: float | None, build: Callable[..., Any], *args: Any) -> Any:
         """:func:`structure` in a worker thread, for a request that asks for a grammar: a
         schema's checks and llguidance's compile take seconds for a large one (a
         ``json_schema`` of 2,000 ``anyOf`` branches, 170 KB: 12 s), which on the event loop
-        stalled every other client, streams and ``/health`` alike, that long."""
-        return await anyio.to_thread.run_sync(functools.partial(structure, build, *args),
-                                              limiter=compiles)
+        stalled every other client, streams and ``/health`` alike, that long. A request
+        past ``GRAMMAR_THREADS`` others waits for its turn at most its ``timeout`` (the
+        body's, or the server's ``--timeout``): then a 504 naming it (it waited with no
+        bound, whatever timeout it gave, while others' large grammars compiled)."""
+        told = config.default_timeout_s if timeout is None else timeout
+        with anyio.move_on_after(min(told, config.max_timeout_s)) as waiting:
+            await compiles.acquire()
+        if waiting.cancelled_caught:
+            raise Refusal(Status.deadline(Phase.ADMISSION, (
+                f"request timeout={told:g} s passed waiting for one of the server's "
+                f"{GRAMMAR_THREADS} grammar compile threads (each compiling another request's "
+                "response_format or tools); the request ended there: give a larger timeout "
+                "or send it again later")), "timeout")
+        try:
+            return await anyio.to_thread.run_sync(functools.partial(structure, build, *args),
+                                                  limiter=compile_threads)
+        finally:
+            compiles.release()
 
     def structure(build: Callable[..., Any], *args: Any) -> Any:
         """A grammar.* builder's result for this server's tokenizer and vocabulary
@@ -1496,7 +1513,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             rows = prompt_rows(body)
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
             shaped = (None if body.response_format is None
-                      else await compiled(grammar.completion_structure, body.response_format))
+                      else await compiled(body.timeout, grammar.completion_structure,
+                                           body.response_format))
             if shaped is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=shaped)
             special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -1573,7 +1591,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             given = (grammar.chat_structure, body.response_format, tools,
                      body.parallel_tool_calls)
             plan = (structure(*given) if body.response_format is None and not body.tools
-                    else await compiled(*given))
+                    else await compiled(body.timeout, *given))
             if plan is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=plan)
             ids = chat_prompt(body, tools)
