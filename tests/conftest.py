@@ -11,6 +11,7 @@ example database, no shrinking (a mutant only needs a failure, not the smallest 
 """
 
 import os
+import signal
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -36,6 +37,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+# A run started as a background job of a non-interactive shell (``bash .ci/run &``, ``nohup
+# ... &``: bash ignores SIGINT and SIGQUIT for it) inherits SIGINT ignored, and Python then
+# installs no KeyboardInterrupt handler: a test raising SIGINT in its own process (a Ctrl-C
+# landing inside Popen()) waited for nothing, its command's whole timeout. Every process of the
+# run (pytest-xdist's workers import this file too) takes Ctrl-C as an interactive one does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Lock-rank checking on in every test (issue 13): each executor, KV coordinator and pool built
 # during a test checks the §5.2 order (machines/locks.py), and no test may end with a violation.
