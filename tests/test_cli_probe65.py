@@ -131,21 +131,24 @@ def test_an_interrupted_build_lets_its_group_clean_up_before_it_is_killed(tmp_pa
     assert mark.read_text() == "cleaned"
 
 
-def test_the_browser_of_diagrams_live_keeps_its_temporary_files_in_the_command_s_directory(
+def test_the_browser_of_diagrams_live_keeps_its_temporary_files_in_a_directory_removed_after(
         tmp_path, monkeypatch):
     """A Ctrl-C (or SIGTERM) during ``calexec diagrams live``'s shot killed Chromium, which
     left its ``org.chromium.Chromium.XXXXXX`` directory in ``$TMPDIR`` (/tmp) each time; the
-    browser's ``TMPDIR`` is now the command's own temporary directory, removed with it. A
-    stand-in ``chromium`` on PATH reports the TMPDIR it was given."""
+    browser's ``TMPDIR`` is now a directory of its own, removed after it (stop 67: not the
+    command's working directory, whose path can be too long for Chromium's singleton socket,
+    tests/test_live_screenshots_tmp.py). A stand-in ``chromium`` on PATH makes its directory
+    there and reports the TMPDIR it was given."""
     from calexec.drivers.tools.live_screenshots import chromium_capture
 
     bin_dir, workdir = tmp_path / "bin", tmp_path / "work"
     bin_dir.mkdir()
     workdir.mkdir()
     fake = bin_dir / "chromium"
-    fake.write_text('#!/bin/sh\nprintf %s "$TMPDIR"\n')
+    fake.write_text('#!/bin/sh\nmkdir "$TMPDIR/org.chromium.Chromium.x" && printf %s "$TMPDIR"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "elsewhere"))
     done = chromium_capture("file:///nothing", str(workdir))
-    assert done.returncode == 0 and done.stdout == str(workdir), (done.stdout, done.stderr)
+    assert done.returncode == 0 and done.stdout, (done.stdout, done.stderr)
+    assert not os.path.exists(done.stdout), "the browser's temporary directory was left behind"
+    assert len(done.stdout + "/org.chromium.Chromium.XXXXXX/SingletonSocket") <= 107

@@ -66,9 +66,32 @@ def chromium_capture(url: str, workdir: str, screenshot: str | None = None,
             "--disable-sync", f"--user-data-dir={os.path.join(workdir, 'profile')}",
             f"--virtual-time-budget={budget_ms}", f"--window-size={size[0]},{size[1]}"]
     argv += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-    # its temporary files in workdir (removed with it): the org.chromium.Chromium.* directory
-    # it makes in $TMPDIR stayed there when a Ctrl-C or a timeout killed it
-    return _run_bounded(argv + [url], timeout, {**os.environ, "HOME": workdir, "TMPDIR": workdir})
+    # its temporary files in a directory of their own, removed after it: the
+    # org.chromium.Chromium.* directory it makes in $TMPDIR stayed there when a Ctrl-C or a
+    # timeout killed it. Not workdir itself: the singleton socket Chromium makes in it must fit
+    # a unix socket's 107 bytes, and a pytest tmp_path (pytest-1017/<test name>) did not:
+    # "Socket path too long", SIGABRT
+    browser_tmp = _short_tmpdir()
+    try:
+        return _run_bounded(argv + [url], timeout,
+                            {**os.environ, "HOME": workdir, "TMPDIR": browser_tmp})
+    finally:
+        shutil.rmtree(browser_tmp, ignore_errors=True)
+
+
+# org.chromium.Chromium.XXXXXX/SingletonSocket, and a margin
+_SOCKET_TAIL = 48
+_SUN_PATH_MAX = 107
+
+
+def _short_tmpdir() -> str:
+    """A new private directory whose path leaves room for Chromium's singleton socket: in the
+    user's temporary directory when that is short enough, else in ``/tmp``."""
+    for base in (tempfile.gettempdir(), "/tmp"):
+        if len(base) + len("/cxchr-XXXXXXXX") + _SOCKET_TAIL <= _SUN_PATH_MAX \
+                and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+            return tempfile.mkdtemp(prefix="cxchr-", dir=base)
+    return tempfile.mkdtemp(prefix="cxchr-")  # (Chromium then says which path was too long)
 
 
 def main(argv: list[str]) -> int:
