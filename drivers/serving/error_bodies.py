@@ -285,6 +285,17 @@ def head_too_large(limit: int, request_id: str) -> bytes:
                        f"{limit} bytes", request_id)
 
 
+def trailers_too_large(limit: int, request_id: str) -> bytes:
+    """The whole HTTP/1.1 response to a chunked request body whose trailer section (the
+    fields after its last chunk) is over ``limit`` bytes: 431 (RFC 6585: trailer fields are
+    fields too), code ``request.head_too_large``, ``connection: close``, written by the
+    connection itself (the section is never read whole)."""
+    return raw_refusal(431, "Request Header Fields Too Large", "request.head_too_large",
+                       f"the request's trailer section (the fields after the last chunk of "
+                       f"its chunked body) exceeds {limit} bytes: send no trailer fields "
+                       f"(they are discarded)", request_id)
+
+
 def target_too_long(length: int, limit: int, request_id: str,
                     at_least: bool = False) -> bytes:
     """The whole HTTP/1.1 response to a request line whose target (path and query) is

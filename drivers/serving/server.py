@@ -399,7 +399,8 @@ def abortable(protocol: type) -> type:
 
     Bytes the parser refuses are answered the OpenAI-shaped 400, after the answers to the
     requests pipelined before them. With uvicorn's httptools protocol also: a request head
-    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way, and an
+    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way (so is a
+    chunked body's trailer section over it: trailer fields are discarded, :meth:`on_header`), and an
     HTTP/1.1 head without exactly one Host field 400 (:meth:`on_headers_complete`); an
     answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
     chunked, and its ``Expect: 100-continue`` is ignored (no ``100 Continue``); an answer
@@ -431,6 +432,11 @@ def abortable(protocol: type) -> type:
         #: the HTTP version ("M.m") of a request line whose major version is not 1: answered
         #: 505 (:meth:`_feed`)
         _version_refused: str | None = None
+        #: a chunk header was parsed and no chunk data followed it yet: after the last
+        #: chunk's (size 0), the bytes that come are the request's trailer section
+        _chunk_open = False
+        #: bytes received while ``_chunk_open`` (the trailer section, counted by reads)
+        _trailer_bytes = 0
         parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
@@ -464,8 +470,12 @@ def abortable(protocol: type) -> type:
             request. A route that answered before the body came (a 404, a 401) gave the
             request's one answer: the connection is closed after it, with no 400 behind it
             (a second answer the client would take for its next request's)."""
+            self._refuse_request(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
+
+        def _refuse_request(self, answer: bytes) -> None:
+            """:meth:`_refuse` with ``answer``, which is the answer of the request whose
+            body is being read when there is one (see :meth:`send_400_response`)."""
             cycle = getattr(self, "cycle", None)
-            answer = error_bodies.malformed_http(str(msg), uuid.uuid4().hex)
             if parses_heads and not self._reading_head and cycle is not None:
                 if cycle.response_started:
                     answer = b""
@@ -491,6 +501,14 @@ def abortable(protocol: type) -> type:
                                                      uuid.uuid4().hex, at_least=True)
                         if len(url) > MAX_TARGET_BYTES else
                         error_bodies.head_too_large(MAX_HEAD_BYTES, uuid.uuid4().hex))
+                    return
+            elif parses_heads and self._chunk_open:
+                self._trailer_bytes += len(data)
+                if self._trailer_bytes > MAX_HEAD_BYTES:  # 431; nothing more is parsed
+                    self.logger.warning("Invalid HTTP request received: a trailer section "
+                                        "over %d bytes.", MAX_HEAD_BYTES)
+                    self._refuse_request(error_bodies.trailers_too_large(
+                        MAX_HEAD_BYTES, uuid.uuid4().hex))
                     return
             if not parses_heads:
                 super().data_received(data)
@@ -697,6 +715,28 @@ def abortable(protocol: type) -> type:
                 self.cycle.waiting_for_100_continue = False
             if version_1_0 or self.cycle.waiting_for_100_continue:
                 answer_framing(self.cycle)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if parses_heads and not self._reading_head:
+                # a trailer field (after a chunked body's last chunk): uvicorn appended it
+                # to the request's headers, which the route had (its scope's list), so a
+                # trailer `Authorization`, `Content-Type` or `X-Request-Id` was taken as
+                # the request's header (RFC 9110 section 6.5.1: a recipient MUST NOT merge
+                # a trailer field into the header section), and a client sending trailer
+                # fields held them all in memory, without bound. Discarded (section 6.5.1
+                # allows it); the section is bounded in data_received
+                return
+            super().on_header(name, value)
+
+        def on_chunk_header(self) -> None:
+            self._chunk_open, self._trailer_bytes = True, 0
+
+        def on_chunk_complete(self) -> None:
+            self._chunk_open = False
+
+        def on_body(self, body: bytes) -> None:
+            self._chunk_open = False  # a chunk's data: no trailer section
+            super().on_body(body)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
