@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.device_spec import with_emulated_latency
@@ -42,14 +44,13 @@ def test_a_start_whose_golden_outlasts_golden_timeout_s_names_the_warm_up_and_th
         assert executor.failure is not None and "golden_timeout_s" in executor.failure.message
     finally:
         executor.shutdown(10.0)
-    # the way out the message names: the same config through with_emulated_latency starts
+    # the way out the message names: with_emulated_latency moves the deadline out by the
+    # longest golden job (17 prompt tokens at 60 ms). Not started here: 0.2 s of slack over
+    # the emulated second was a timing threshold, and a CI host at load 18 took longer
+    # (stop 67); tests/test_cli_probe57.py runs a golden record through it
     moved = with_emulated_latency(config)
-    assert moved.golden_timeout_s > 1.0
-    executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), moved)
-    try:
-        assert executor.start().ok
-    finally:
-        assert executor.shutdown(10.0).ok
+    assert len(config.golden_tokens) == 17
+    assert moved.golden_timeout_s == pytest.approx(0.2 + 17 * 0.060)
 
 
 def _fenced_python(doc: str, first_line: str) -> str:
