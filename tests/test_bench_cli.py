@@ -244,6 +244,58 @@ def test_ratio_ci95_is_the_sampling_spread_of_the_ratio():
     assert bench.ratio_ci95(e[:1], d, 99) is None
 
 
+def test_every_floor_is_reported_in_the_modes_ratio_terms():
+    import numpy as np
+    d = 2000.0 + np.arange(100.0)  # the direct loop: P50 2049.5, P99 2098.01
+    tail = d.copy()
+    tail[-2:] += 1000.0  # two late tokens of 100: the P99 is 3098.01, the P50 unchanged
+    tpot = {"direct": d, "floor": tail, "threads": d * 1.04, "relay": d.copy(),
+            "enqueue": d * 1.01, "identical": True}  # no floor3: not measured, not reported
+    floors = bench.floor_ratios(tpot)
+    assert list(floors) == ["floor", "threads", "relay"]
+    assert floors["floor"]["p50_ratio"] == 1.0
+    assert floors["floor"]["p99_ratio"] == round(3098.01 / 2098.01, 4) == 1.4766
+    assert floors["floor"]["within_gate"] is False  # P99 past 1.05
+    assert floors["threads"]["p50_ratio"] == floors["threads"]["p99_ratio"] == 1.04
+    assert floors["threads"]["within_gate"] is False  # P50 past 1.03
+    assert floors["relay"]["p50_ratio"] == floors["relay"]["p99_ratio"] == 1.0
+    assert floors["relay"]["within_gate"] is True
+    # one computation for a floor and a mode: the same numbers give the same ratios
+    assert {k: v for k, v in floors["floor"].items() if k != "within_gate"} == \
+        bench.side_ratios(tail, d)
+    assert floors["floor"]["p99_ratio_ci95"] == bench.ratio_ci95(tail, d, 99)
+    assert bench.side_ratios(d * 1.01, d)["p50_ratio"] == 1.01
+    assert bench.floor_ratios({"direct": d}) == {}
+
+
+def test_the_text_report_tables_every_mode_and_floor_ratio():
+    profile = {"decode_us": 2000, "samples_per_side": 3000,
+               "modes": {"ahead": {"p50_ratio": 1.0241, "p99_ratio": 1.5012}},
+               "gate_met": {"ahead": False},
+               "floor_ratios": {"floor": {"p50_ratio": 0.9871, "p99_ratio": 1.2104,
+                                          "within_gate": False},
+                                "relay": {"p50_ratio": 1.0, "p99_ratio": 1.02,
+                                          "within_gate": True}}}
+    lines = bench.ratio_lines({"spec_gate": bench.SPEC_GATE, "profiles": [profile]})
+    assert "1.03" in lines[0] and "1.05" in lines[0]
+    assert lines[1] == "  2000 us decode, 3000 tokens per side:"
+    assert lines[2].split() == ["ahead", "1.024", "/", "1.501", "gate", "not", "met"]
+    assert lines[3].startswith("    C floor ") and "0.987 / 1.210  past the gate" in lines[3]
+    assert "2 C threads" in lines[3]
+    assert "1.000 / 1.020  within the gate" in lines[4] and "relay floor" in lines[4]
+
+
+def test_the_overhead_text_report_ends_with_the_ratio_table(capsys):
+    assert bench.main(["bench", "overhead", "--tokens", "3", "--runs", "1", "--zero-tokens",
+                       "3", "--decode-us", "300", "--no-floor"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("ratios against the direct"))
+    table = out[start + 1:]
+    assert table[0] == "  300 us decode, 3 tokens per side:"
+    names = [line.split()[0] for line in table[1:]]
+    assert names == [*bench.MODES, "threads", "relay"], table
+
+
 def test_decode_profiles_default_is_10_and_2_ms():
     assert bench.decode_profiles(None) == [10000, 2000]
     assert bench.decode_profiles(["2000", "10000, 500"]) == [2000, 10000, 500]

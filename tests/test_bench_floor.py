@@ -124,6 +124,7 @@ def test_overhead_reports_the_floor_beside_each_mode(capsys):
     assert report["floor"]["roles"] == [2, 3]
     assert report["floor3_us_p50"] == report["profiles"][0]["floor3_us_p50"]
     assert report["floor_us_p50"] == report["profiles"][0]["floor_us_p50"]
+    assert report["floor_ratios"] == report["profiles"][0]["floor_ratios"]
     for profile in report["profiles"]:
         side = profile["floor"]
         assert side["tokens_identical"] is True
@@ -133,6 +134,19 @@ def test_overhead_reports_the_floor_beside_each_mode(capsys):
         assert three["tokens_identical"] is True
         assert profile["floor3_us_p50"] == pytest.approx(three["tpot_us_p50"]
                                                          - profile["decode_us"], abs=0.02)
+        # every floor also in the modes' terms: its P50 / P99 over the same profile's
+        # direct loop (the C floor's tokens timed in its own process, the direct loop's here)
+        assert list(profile["floor_ratios"]) == ["floor", "floor3", "threads", "relay"]
+        for side, key in (("floor", "floor"), ("floor3", "floor3"),
+                          ("threads", "threads_floor"), ("relay", "relay_floor")):
+            ratios, figures = profile["floor_ratios"][side], profile[key]
+            for q in ("p50", "p99"):
+                assert figures[f"{q}_ratio"] == ratios[f"{q}_ratio"], (side, q)
+                assert ratios[f"{q}_ratio"] == pytest.approx(
+                    figures[f"tpot_us_{q}"] / profile[f"direct_tpot_us_{q}"], abs=1e-4), side
+                assert len(ratios[f"{q}_ratio_ci95"]) == 2, side
+            assert ratios["within_gate"] == (ratios["p50_ratio"] <= 1.03
+                                             and ratios["p99_ratio"] <= 1.05), side
         for mode, figures in profile["modes"].items():
             assert figures["floor_us_p50"] == profile["floor_us_p50"], mode
             assert figures["floor_us_p99"] == profile["floor_us_p99"], mode
@@ -149,6 +163,7 @@ def test_overhead_without_the_floor_says_why(capsys, monkeypatch):
     assert report["floor"]["reason"] == "no C compiler 'cc'"
     profile = report["profiles"][0]
     assert profile["floor"] is None and profile["floor_us_p50"] is None
+    assert "floor" not in profile["floor_ratios"] and "floor3" not in profile["floor_ratios"]
     assert profile["floor3"] is None and profile["floor3_us_p50"] is None
     assert report["floor"]["roles"] == []
     assert all(f["floor_us_p50"] is None and f["over_decode_to_floor_p50"] is None
