@@ -283,6 +283,13 @@ def test_the_text_report_tables_every_mode_and_floor_ratio():
     assert lines[3].startswith("    C floor ") and "0.987 / 1.210  past the gate" in lines[3]
     assert "2 C threads" in lines[3]
     assert "1.000 / 1.020  within the gate" in lines[4] and "relay floor" in lines[4]
+    assert len(lines) == 5  # no host record: no line about it
+    loaded = {"available": True, "quiet": False, "noise": "other processes 88 % > 5 %",
+              "seconds": 170.2}
+    lines = bench.ratio_lines({"spec_gate": bench.SPEC_GATE, "profiles": [profile],
+                               "host": loaded})
+    assert lines[-1] == ("  not a quiet host (other processes 88 % > 5 %, over 170.2 s): the "
+                         "ratios are not a gate figure (docs/benchmarks.md)")
 
 
 def test_the_overhead_text_report_ends_with_the_ratio_table(capsys):

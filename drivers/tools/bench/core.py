@@ -590,7 +590,8 @@ def floor_ratios(tpot: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def ratio_lines(result: dict[str, Any]) -> list[str]:
     """The human report's table of ``bench overhead``: per profile, each mode's and each
-    floor's P50 / P99 ratio against the direct loop of that profile, and the gate."""
+    floor's P50 / P99 ratio against the direct loop of that profile, and the gate; then, when
+    the run's host was not quiet (``host``), the line that says so."""
     gate = result["spec_gate"]
     lines = [f"ratios against the direct loop, P50 / P99 (§13.3 gate: <= {gate['p50_ratio']}"
              f" / <= {gate['p99_ratio']}; floors: loops with no control work)"]
@@ -605,6 +606,9 @@ def ratio_lines(result: dict[str, Any]) -> list[str]:
             label, what = FLOOR_SIDES[side]
             lines.append(f"    {label:<20} {r['p50_ratio']:.3f} / {r['p99_ratio']:.3f}  {met}"
                          f"  ({what})")
+    noisy = noise_line(result["host"]) if "host" in result else None
+    if noisy is not None:  # said under the table too: a reader of the table sees it
+        lines.append(f"  {noisy}")
     return lines
 
 
