@@ -33,6 +33,8 @@ Python/numpy allocations (``alloccount``):
    The relay floor (``relayfloor.RelayLoop``: ``relay_floor_us_*``): the same Python roles
    with the token carried from job to job by the native relay (docs/architecture.md,
    "Native hand-offs"), ``--relay-work-us`` of Python work per event beside it.
+   Every floor is also reported in the modes' terms (``floor_ratios``: ``side_ratios`` against
+   the same direct loop, ``within_gate``), and the text report ends with the ratio table.
 
 Both sides convert with the same direct conversion into a preallocated row, so the ratios
 isolate the executor's control work (queues, threads, charts, checks), not PR6's gain.
