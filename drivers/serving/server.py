@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import signal
@@ -29,13 +30,13 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, request_response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -242,6 +243,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     responses_api.add_routes(app, owner, chat_path)
     head_with_get(app)
     hot_routes_first(app)
+    lean_endpoints(app)
 
     return app
 
@@ -260,6 +262,78 @@ def hot_routes_first(app: FastAPI) -> None:
     routes = app.router.routes
     hot = [r for r in routes if getattr(r, "path", None) in HOT_ROUTES]
     routes[:] = hot + [r for r in routes if r not in hot]
+
+
+#: the routes :func:`lean_endpoints` calls without FastAPI's per-request handler
+LEAN_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+def lean_endpoints(app: FastAPI) -> None:
+    """The POST routes of :data:`LEAN_ROUTES` call their endpoint with the request itself.
+    FastAPI's handler around an endpoint (``get_request_handler``) reads the body for its
+    parameters, solves its dependencies (for the one ``Request`` parameter: a cookie parse
+    and three telemetry lookups) and wraps a returned ``Response`` as it is; these endpoints
+    take nothing but the ``Request`` and always return a ``Response``, so the endpoint's
+    answer is the same without it (about 30 Python calls a request on the event loop, stop
+    67; ``tests/test_server_lean_routes.py`` compares every answer with FastAPI's handler).
+    The route stays the same ``APIRoute`` (its matching, methods, ``/openapi.json``, the
+    router's telemetry); its ASGI app is FastAPI's own ``request_response`` around the
+    endpoint. A request FastAPI traces (OpenTelemetry configured: :func:`traced`)
+    goes through FastAPI's handler, whose spans it records. A route whose endpoint takes
+    anything but the request is left as it is."""
+    for route in app.router.routes:
+        if not (isinstance(route, APIRoute) and route.path in LEAN_ROUTES
+                and route.methods == {"POST"} and _request_only(route)):
+            continue
+        route.app = request_response(_LeanEndpoint(
+            route.endpoint, cast(str, route.dependant.request_param_name),
+            route.get_route_handler()))
+
+
+def _request_only(route: APIRoute) -> bool:
+    """``route``'s endpoint takes the request alone: no other parameter, dependency,
+    response model or status code FastAPI's handler would apply."""
+    d = route.dependant
+    return (d.request_param_name is not None and not d.dependencies
+            and not (d.path_params or d.query_params or d.header_params or d.cookie_params
+                     or d.body_params)
+            and d.websocket_param_name is None and d.http_connection_param_name is None
+            and d.response_param_name is None and d.background_tasks_param_name is None
+            and d.security_scopes_param_name is None
+            and route.response_model is None and route.status_code is None
+            and inspect.iscoroutinefunction(route.endpoint))
+
+
+class _LeanEndpoint:
+    """(:func:`lean_endpoints`) The endpoint called with the request (its one parameter,
+    by name), or FastAPI's handler while FastAPI traces the request."""
+
+    def __init__(self, endpoint: Callable[..., Any], name: str,
+                 handler: Callable[..., Any]) -> None:
+        self.endpoint, self.name, self.handler = endpoint, name, handler
+
+    async def __call__(self, request: Request) -> Response:
+        if traced():
+            return cast(Response, await self.handler(request))
+        return cast(Response, await self.endpoint(**{self.name: request}))
+
+
+def _telemetry_data() -> Callable[[], object] | None:
+    """FastAPI's ``get_telemetry_data`` (its native OpenTelemetry, FastAPI 0.163 on); None
+    before it, when FastAPI traced nothing itself."""
+    try:
+        from fastapi.telemetry import get_telemetry_data
+    except ImportError:  # pragma: no cover - an older FastAPI within pyproject's range
+        return None
+    return get_telemetry_data
+
+
+_TELEMETRY_DATA = _telemetry_data()
+
+
+def traced() -> bool:
+    """FastAPI traces the request being handled (its OpenTelemetry is configured)."""
+    return _TELEMETRY_DATA is not None and _TELEMETRY_DATA() is not None
 
 
 def head_with_get(app: FastAPI) -> None:
