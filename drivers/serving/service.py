@@ -26,6 +26,7 @@ discarded) and its sequence released once the job ends.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import contextlib
@@ -35,7 +36,6 @@ import logging
 import math
 import os
 import re
-import statistics
 import threading
 import time
 import weakref
@@ -574,6 +574,48 @@ class RequestRun:
                                 request_id=self.request_id)
 
 
+class WindowMedian:
+    """The median of the last ``size`` values added, as ``statistics.median`` of the finite
+    ones among them (None while there is none), kept sorted as they come: reading it sorts
+    nothing. ``CompletionService.decode_device_ms`` reads it once per decode job while no
+    decode stream is open (every job of a fast device's burst), where copying, filtering
+    and sorting the window took about as long as the job's other bookkeeping (stop 67,
+    issue 28; ``tests/test_window_median.py`` against the plain computation). Any thread
+    may add and read (one lock). An infinite or NaN value (no device wait is either: it is
+    the difference of two clock readings) takes its place in the window but is no
+    candidate for the median."""
+
+    __slots__ = ("_window", "_sorted", "_lock")
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"WindowMedian: size={size}: must be >= 1")
+        self._window: collections.deque[float] = collections.deque(maxlen=size)
+        self._sorted: list[float] = []  # the window's finite values, ascending
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        finite = math.isfinite(value)
+        with self._lock:
+            window = self._window
+            if len(window) == window.maxlen:
+                old = window[0]
+                if math.isfinite(old):
+                    del self._sorted[bisect.bisect_left(self._sorted, old)]
+            window.append(value)
+            if finite:
+                bisect.insort(self._sorted, value)
+
+    def median(self) -> float | None:
+        with self._lock:
+            values = self._sorted
+            n = len(values)
+            if not n:
+                return None
+            half = n // 2
+            return values[half] if n % 2 else (values[half - 1] + values[half]) / 2
+
+
 #: ``CompletionService._step``'s answer for a job whose row was a prompt position's
 _PROMPT_ROW = object()
 #: decode jobs whose device wait ``CompletionService.decode_device_ms`` takes the median of
@@ -782,12 +824,10 @@ class CompletionService:
                                         config.lifecycle_poll_s, lambda: executor.failure)
         self.sequences.on_free = self.admission.wake_threadsafe
         self.resumer = Resumer(self)
-        #: the device wait (ms) of the last ``_DEVICE_WINDOW`` decode jobs (inf: none yet),
-        #: read when a request opens its decode stream (``ServerConfig.prearm_min_device_ms``);
-        #: a heuristic written by whichever thread observes a job (a lost write is harmless;
-        #: the list never changes size, so reading it while one is written is safe)
-        self._device_waits = [math.inf] * _DEVICE_WINDOW
-        self._device_wait_at = 0
+        #: the device wait (ms) of the last ``_DEVICE_WINDOW`` decode jobs, read when a
+        #: request opens its decode stream (``ServerConfig.prearm_min_device_ms``); written
+        #: by whichever thread observes a job
+        self._device_waits = WindowMedian(_DEVICE_WINDOW)
         self._contracts = executor.generation  # validation while the generation is replaced
 
     def _metrics_snapshot(self) -> dict[str, Any]:
@@ -1080,9 +1120,7 @@ class CompletionService:
         self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
         if result.kind == TaskKind.DECODE:
-            at = self._device_wait_at
-            self._device_waits[at % _DEVICE_WINDOW] = result.timings.device_wait_ms
-            self._device_wait_at = at + 1
+            self._device_waits.add(result.timings.device_wait_ms)
         run.past = result.kv_len
         if run.first_token_at is None and run.past >= len(run.prompt):
             run.first_token_at = result.timings.completed_us / 1e6
@@ -1353,8 +1391,7 @@ class CompletionService:
         back late on a loaded host too much; a minority of either does not move the median.
         A host so loaded that most waits are late reads a fast device as slow and pre-arms,
         the path before this policy."""
-        waits = [ms for ms in list(self._device_waits) if ms != math.inf]
-        return statistics.median(waits) if waits else None
+        return self._device_waits.median()
 
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
