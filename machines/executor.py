@@ -1158,6 +1158,14 @@ class DeviceExecutor(SequenceOwnership):
         self.outcomes.fail_before_submit(job, status.with_context(**job.ctx()))
         return True
 
+    def armed_step_failed(self, status: Status) -> None:
+        """A decode stream's step whose job, armed before its token came, failed its
+        preparation with a fault (a runtime call refused it: ``outcomes.is_fault``): counted
+        and reported once the step is asked for, as the plain path's admission of that step
+        counts and reports it (the arming, a guess nobody asked for yet, did neither)."""
+        self.outcomes.count(status)
+        self.faults.report(status)
+
     def arm_delay_s(self) -> float:
         """How long after a step's infer the submitter arms the next one: ``tuning.
         arm_delay_s``, at most a quarter of a decode job's expected device time."""

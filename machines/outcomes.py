@@ -67,6 +67,17 @@ COUNTER_NAMES = ("submitted", "succeeded", "failed", "quarantined", "cancelled",
                  # jobs the submitter gave to infer from its native relay (native_relay)
                  "relay_submitted")
 
+#: what a job that never reached the device may fail with and not be a fault: it was refused or
+#: released (a cancel, a deadline, an invalid request, KV or a slot short, the lifecycle not
+#: admitting); anything else (a runtime call failing, §8) is reported to the fault controller
+NOT_FAULTS = frozenset({Category.CANCELLED, Category.DEADLINE, Category.INVALID_REQUEST,
+                        Category.RESOURCE_EXHAUSTED, Category.UNAVAILABLE})
+
+
+def is_fault(status: Status) -> bool:
+    """``status``, a job's failure before submit, is a fault (reported) rather than a refusal."""
+    return status.category is not None and status.category not in NOT_FAULTS
+
 
 class JobOutcomes:
     """The failure paths of jobs and the executor's counters (see the module docstring)."""
@@ -156,9 +167,7 @@ class JobOutcomes:
             self.count(status)
         # a guess nobody asked for is not reported either: the request, if it comes, is
         # admitted the ordinary way and meets the same fault (plain path: reported once)
-        if not job.internal and not job.uncounted and status.category not in (
-                Category.CANCELLED, Category.DEADLINE, Category.INVALID_REQUEST,
-                Category.RESOURCE_EXHAUSTED, Category.UNAVAILABLE):
+        if not job.internal and not job.uncounted and is_fault(status):
             self.faults.report(status, job)  # first: admission stops before the caller sees it
         job.resolve(status)
         self.dispatch.released(job)  # an armed job taken by this thread: its sequence is free

@@ -19,7 +19,10 @@ slot of job N-1 not given back yet), it is tried again when a lease comes back.
 Arming never waits: when no slot is free, the budget is spent or the next token would need KV
 beyond the reservation, nothing is armed (the attempt is not counted as a failure) and the
 next ``submit`` admits its job the ordinary way (blocking, bounded by the deadline), so a
-stream never holds more than one extra slot and never starves another request of one.
+stream never holds more than one extra slot and never starves another request of one. An
+arming that a runtime call refused (a fault, ``outcomes.is_fault``: a CSR write answering 4)
+is no miss: the step it was armed for answers that fault, reported to the fault controller
+and counted then, as ``enqueue`` of that step meets it (``_arm_fault_answer``).
 
 Release exactly once: a pre-armed job sits in the executor's ``_armed`` list; whoever removes
 it under ``submit_mu`` owns it: ``_fire`` (the token came), ``_disarm`` (the stream closed:
@@ -78,6 +81,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import S32_MAX, TaskKind
 from calexec.machines.dispatch import Arm
 from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
+from calexec.machines.outcomes import is_fault
 
 if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
@@ -136,6 +140,9 @@ class DecodeStream:
         self.status: Status | None = None  # why the stream closed (None: open)
         self._cancelled = False  # cancel() was called (any thread): later steps are cancelled
         self._armed: Job | None = None
+        #: the fault that failed the arming of the next step (a runtime call refused its
+        #: preparation; ``outcomes.is_fault``), answered by that step (``_arm_fault_answer``)
+        self._arm_fault: Status | None = None
         self._current: JobHandle | None = None
         #: the step's job while ``submit`` admits it afresh (it may wait for KV, a slot or
         #: Ready): ``cancel`` (any thread) reaches it there too (``_admitting_created``)
@@ -177,6 +184,8 @@ class DecodeStream:
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
+        elif is_fault(job):
+            self._arm_fault = job
         elif job.code == "request.invalid" and not self._beyond_max_len(past_len):
             # the first step's request fails the §6.3 checks (a negative seq_id, a past_len
             # beyond max_seq, a NaN deadline): so would every step's, and the caller learns
@@ -264,10 +273,17 @@ class DecodeStream:
                     dispatch.unschedule(self)  # one the submitter is arming right now
                     self._wait_submitter(lambda: not dispatch.arming(self), self.deadline)
                     job, self._armed = self._armed, None
+            fault = None
+            if ahead is None and job is None:  # (a fault of this step's arming, if any)
+                fault, self._arm_fault = self._arm_fault, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
         if discarded is not None:
             discarded.cancel()
+        if job is None and fault is not None and not late:
+            answer = self._arm_fault_answer(fault)
+            if answer is not None:
+                return answer
         if late and job is not None and ex.release_armed(job, Status.deadline(
                 Phase.SUBMIT, "the step's token came after its deadline", **job.ctx())):
             job = None
@@ -672,6 +688,8 @@ class DecodeStream:
                     drop = job  # the stream closed meanwhile
             elif isinstance(job, Status) and job.code == "buffer.full" and self.status is None:
                 later = True
+            elif isinstance(job, Status) and is_fault(job) and self.status is None:
+                self._arm_fault = job  # the next step answers it (``_arm_fault_answer``)
         if later:
             dispatch.arm_later(self)  # again when a lease comes back
         if drop is not None:
@@ -685,6 +703,22 @@ class DecodeStream:
         self._admitting = handle
         if self._cancelled or self.status is not None:  # cancelled, or closed (``_close``)
             handle.cancel()
+
+    def _arm_fault_answer(self, fault: Status) -> Status | None:
+        """The step whose pre-armed job failed its preparation with ``fault`` (a runtime call
+        refused it, e.g. a CSR write answering 4) is answered that failure, reported and
+        counted now (``DeviceExecutor.armed_step_failed``): the plain path's admission of this
+        step met it, so the fault controller acts on it (§8) and the caller gets it. It used
+        to be dropped as a missed guess and the step admitted again, which a fault that does
+        not recur let through: no log line, no ``calexec_device_faults_total``, no rollback,
+        and a 200 where the plain path answered 500 ``calrt.csr_failed``. None when the
+        generation it met is no longer the current one (a recovery or switch since): the
+        step is then admitted in the new one, as the plain path admits it."""
+        gen = self.ex.gen
+        if gen is None or fault.generation != gen.id:
+            return None
+        self.ex.armed_step_failed(fault)
+        return self._close(fault)
 
     def _beyond_max_len(self, past: int) -> bool:
         """A step at ``past`` is beyond what the stream arms ahead (``max_len``)."""

@@ -1,0 +1,103 @@
+"""Stop 67 (faults): seeded fault schedules against the server with its fast paths on and off.
+
+A pre-armed decode step (``ServerConfig.prearm``: the executor's decode stream prepares step
+N+1 while step N runs) whose preparation met a runtime fault (a CSR write refused, rc 4) was
+taken for a missed guess: released unreported and the step admitted again. A fault that did
+not recur (the emulator's NTH, a device's intermittent refusal) then vanished: no fault line in
+the log, nothing in ``calexec_device_faults_total``, no §8 action (ARTIFACT: roll back), and
+the request answered 200 where the plain path (the same request, the same fault, the fast
+paths off) answered 500 ``calrt.csr_failed``. Found by the same single-client request and
+fault schedule run against both servers (seeds 6905, 6907: Phase B, with and without the
+native relay; then Phase A). The step now answers the fault, reported once.
+
+Loopback uvicorn on 127.0.0.1, the bundled emulator; every wait bounded; no timing threshold.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import needs
+
+needs.module("httpx", "server")
+import httpx  # noqa: E402
+
+from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from calexec.drivers.tools.chaos import oracle_tokens  # noqa: E402
+from calexec.machines.faults import RecoveryPolicy  # noqa: E402
+from test_server_support import ServeLikeServer, metric_value, started_executor  # noqa: E402
+
+#: the server's fast paths: the pre-armed decode stream (at any device speed), greedy ahead,
+#: waits on the event loop, decode bursts (whole and streamed); and the executor's implicit
+#: pre-arms
+FAST = {"prearm": True, "prearm_min_device_ms": 0.0, "greedy_ahead": True, "inline_waits": True,
+        "decode_bursts": True, "stream_bursts": True}
+PLAIN = {"prearm": False, "greedy_ahead": False, "inline_waits": False, "decode_bursts": False,
+         "stream_bursts": False}
+PROMPT = [5, 6, 7]
+
+
+def _answer(tmp_path, fast: bool, nth: int, stream: bool) -> tuple[tuple, float | None]:
+    """The answer to one greedy completion of 6 tokens with the ``nth`` CSR write from now
+    refused (rc 4, once), and the server's count of that fault; a fresh server each."""
+    tmp_path.mkdir()
+    executor = started_executor(tmp_path, "decode_us=2000", auto_prearm=fast,
+                                execution_timeout_s=5.0,
+                                recovery=RecoveryPolicy(max_recoveries=1000, drain_grace_s=1.0))
+    app = create_app(executor, ServerConfig(max_sequences=4, **(FAST if fast else PLAIN)))
+    body = {"prompt": PROMPT, "max_tokens": 6, "stream": stream, "timeout": 20}
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            assert executor.device.emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, nth) == 0
+            r = http.post("/v1/completions", json=body)
+            assert executor.device.emu.fault_stats(Fault.UNKNOWN_CSR)[2] == 1  # it fired
+            if not stream:
+                data = r.json()
+                answer: tuple = (r.status_code, data["error"]["code"] if r.status_code != 200
+                                 else data["choices"][0]["token_ids"])
+            else:
+                assert r.status_code == 200, r.text
+                tokens, end = [], None
+                for line in r.text.splitlines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        end = "[DONE]"
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        end = event["error"]["code"]
+                        continue
+                    for choice in event["choices"]:
+                        tokens.extend(choice["token_ids"])
+                answer = (tokens, end)
+            metrics = http.get("/metrics").text
+    finally:
+        executor.device.emu.clear_all_faults()
+        executor.shutdown(5.0)
+    return answer, metric_value(metrics, "calexec_device_faults_total",
+                                {"code": "calrt.csr_failed", "raw": "4"})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("nth", [3, 5], ids=["first_decode", "second_decode"])
+def test_a_refused_csr_write_of_a_prearmed_step_answers_as_the_plain_path(tmp_path, nth,
+                                                                        stream):
+    """The same request and fault against the fast paths and the plain path: the same answer
+    (500 ``calrt.csr_failed``; streamed, the tokens before it and its error event), and the
+    fault counted once by each. The prefill writes two CSRs: the 3rd write is the first decode
+    step's (armed when the request's stream opens), the 5th the second's (armed by the
+    submitter while the first runs). Before: the fast path answered 200 with all 6 tokens and
+    counted nothing."""
+    plain, plain_count = _answer(tmp_path / "plain", False, nth, stream)
+    fast, fast_count = _answer(tmp_path / "fast", True, nth, stream)
+    before = (nth - 3) // 2  # the tokens decoded before the refused step (the prefill's first)
+    want = list(oracle_tokens(tuple(PROMPT), 6))[:1 + before]
+    assert plain == ((want, "calrt.csr_failed") if stream else (500, "calrt.csr_failed")), plain
+    assert fast == plain, (fast, plain)
+    assert plain_count == fast_count == 1, (plain_count, fast_count)
+
