@@ -279,6 +279,12 @@ class FaultController:
                 self.disabled_features.add(status.phase.value if status.phase else status.code)
         if decision.action is Action.DISABLE_FEATURE and self.executor is not None:
             self.executor.disable_feature(status, job)  # (it logs the feature switched off)
+        if decision.action is Action.NONE:
+            # nothing to act on (a job the recovery's own reset aborted, ``recovery.job_aborted``:
+            # a knock-on), but counted in ``reported()`` (``calexec_device_faults_total``): its
+            # one line, so the log accounts for every fault the metric counts (it had none)
+            log.info("%sfault %s -> none (%s)", "INJECTED " if injected else "", status,
+                     decision.reason)
         if decision.action in (Action.RECORD, Action.REDUCE_ADMISSION):
             # §8: the generation serves on, nothing drains or resets; the fault is still its
             # one line (docs/operations.md), or the manifest difference the row records and

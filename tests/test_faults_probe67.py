@@ -16,6 +16,7 @@ Loopback uvicorn on 127.0.0.1, the bundled emulator; every wait bounded; no timi
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -101,3 +102,25 @@ def test_a_refused_csr_write_of_a_prearmed_step_answers_as_the_plain_path(tmp_pa
     assert fast == plain, (fast, plain)
     assert plain_count == fast_count == 1, (plain_count, fast_count)
 
+
+def test_a_fault_decided_none_is_logged_once_as_it_is_counted(caplog):
+    """``calexec_device_faults_total`` counts every report the fault controller gets
+    (``reported()``); a report it decides ``none`` for (a job the recovery's own reset aborted,
+    ``recovery.job_aborted``: met under a model switch whose drain reset a hung job, the request
+    resumed and answered 200) had no line in the log, so after a fault schedule the metric
+    and the log disagreed by kind (1 against 0). It is one INFO line now, as every counted
+    report is one line."""
+    from calexec.contracts.errors import Category
+    from calexec.contracts.status import Phase, Status
+    from calexec.machines.faults import FaultController
+
+    controller = FaultController(RecoveryPolicy())
+    status = Status.failure("recovery.job_aborted", Category.UNAVAILABLE, Phase.RECOVERY,
+                            "the recovery's reset aborted the job", job_id=7, seq_id=1,
+                            generation=1)
+    with caplog.at_level(logging.INFO, logger="calexec.faults"):
+        controller.report(status)
+    assert controller.reported() == [("unavailable", "recovery.job_aborted", None, 1)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"]
+    assert len(lines) == 1 and lines[0].startswith("fault recovery.job_aborted "), lines
+    assert "-> none" in lines[0] and "job_id=7" in lines[0], lines
