@@ -20,9 +20,10 @@ Arming never waits: when no slot is free, the budget is spent or the next token 
 beyond the reservation, nothing is armed (the attempt is not counted as a failure) and the
 next ``submit`` admits its job the ordinary way (blocking, bounded by the deadline), so a
 stream never holds more than one extra slot and never starves another request of one. An
-arming that a runtime call refused (a fault, ``outcomes.is_fault``: a CSR write answering 4)
-is no miss: the step it was armed for answers that fault, reported to the fault controller
-and counted then, as ``enqueue`` of that step meets it (``_arm_fault_answer``).
+arming that a runtime call refused (a fault with its raw CalRT code, ``_runtime_refused``: a
+CSR write answering 4) is no miss: the step it was armed for answers that fault, reported to
+the fault controller and counted then, as ``enqueue`` of that step meets it
+(``_arm_fault_answer``).
 
 Release exactly once: a pre-armed job sits in the executor's ``_armed`` list; whoever removes
 it under ``submit_mu`` owns it: ``_fire`` (the token came), ``_disarm`` (the stream closed:
@@ -106,6 +107,13 @@ def _is_token(token: object, vocab: int) -> bool:
     return fields.is_token_id(token) and token < vocab
 
 
+def _runtime_refused(status: Status) -> bool:
+    """An arming failed by the runtime (a fault with its raw CalRT code: a CSR write, a slice,
+    a map refused), not a miss (no slot, budget or KV; released; the lifecycle not admitting),
+    nor a failure the arming's own barrier reported already (an exception: no raw code)."""
+    return is_fault(status) and status.raw is not None
+
+
 def _position(past: object) -> np.ndarray:
     """The int32 ``positions`` of a decode step at ``past``, for the request that checks
     ``past``. A ``past_len`` no s32 holds (``decode_stream(seq, 2**31, ...)``) is clipped:
@@ -141,7 +149,7 @@ class DecodeStream:
         self._cancelled = False  # cancel() was called (any thread): later steps are cancelled
         self._armed: Job | None = None
         #: the fault that failed the arming of the next step (a runtime call refused its
-        #: preparation; ``outcomes.is_fault``), answered by that step (``_arm_fault_answer``)
+        #: preparation; ``_runtime_refused``), answered by that step (``_arm_fault_answer``)
         self._arm_fault: Status | None = None
         self._current: JobHandle | None = None
         #: the step's job while ``submit`` admits it afresh (it may wait for KV, a slot or
@@ -184,7 +192,7 @@ class DecodeStream:
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
-        elif is_fault(job):
+        elif _runtime_refused(job):
             self._arm_fault = job
         elif job.code == "request.invalid" and not self._beyond_max_len(past_len):
             # the first step's request fails the §6.3 checks (a negative seq_id, a past_len
@@ -688,7 +696,7 @@ class DecodeStream:
                     drop = job  # the stream closed meanwhile
             elif isinstance(job, Status) and job.code == "buffer.full" and self.status is None:
                 later = True
-            elif isinstance(job, Status) and is_fault(job) and self.status is None:
+            elif isinstance(job, Status) and _runtime_refused(job) and self.status is None:
                 self._arm_fault = job  # the next step answers it (``_arm_fault_answer``)
         if later:
             dispatch.arm_later(self)  # again when a lease comes back
