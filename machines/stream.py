@@ -289,9 +289,9 @@ class DecodeStream:
         if discarded is not None:
             discarded.cancel()
         if job is None and fault is not None and not late:
-            answer = self._arm_fault_answer(fault)
-            if answer is not None:
-                return answer
+            refusal = self._arm_fault_answer(fault)
+            if refusal is not None:
+                return refusal
         if late and job is not None and ex.release_armed(job, Status.deadline(
                 Phase.SUBMIT, "the step's token came after its deadline", **job.ctx())):
             job = None
