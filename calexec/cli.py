@@ -48,8 +48,11 @@ from calexec.cliargs import (
     sigterm_interrupts,
 )
 from calexec.commands import COMMANDS, lookup
+from calexec.machines.envflag import EnvFlagError, env_flag
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+#: 1: an internal error raises with its traceback (else one line)
+DEBUG_ENV = "CALEXEC_DEBUG"
 #: an OSError with one of these errnos is a full disk or quota: one line, exit 2, never 70
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: the reader of stdout closed it (128 + SIGPIPE, what a shell reports for a process it killed)
@@ -311,7 +314,13 @@ def _run(argv: list[str] | None) -> int:
             except OSError:
                 _quiet_stdout()
             return EXIT_CONFIG
-        if os.environ.get("CALEXEC_DEBUG"):
+        try:  # (read as every on/off variable is: until stop 67 =0 showed the traceback)
+            debug = env_flag(DEBUG_ENV, False, on="see the traceback",
+                             off="see this one line")
+        except EnvFlagError as err:
+            print(f"{prog}: {err}", file=sys.stderr)
+            debug = False
+        if debug:
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""
         print(f"{prog}: internal error: {type(exc).__name__}: {first} "

@@ -56,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from calexec.machines.envflag import EnvFlagError, env_flag
+
 if TYPE_CHECKING:
     from calexec.machines.chart_contracts import ContractMonitor
     from calexec.machines.coverage import ChartCoverage, TransitionRecorder
@@ -123,12 +125,13 @@ def _minimum(text: str, origin: str) -> float:
 def _gate_on() -> bool:
     """``$CALEXEC_TRANSITION_GATE``: 0 turns the configured gate off, 1 (or unset, or empty)
     keeps it; another value is one usage error naming it (``off`` or ``false`` kept the gate
-    on, silently: only ``0`` was read)."""
-    text = os.environ.get(GATE_ENV, "").strip()
-    if text not in ("", "0", "1"):
-        raise pytest.UsageError(f"{GATE_ENV}={text!r}: give 0 to turn the configured "
-                                f"chart_coverage_min gate off, or 1 (or unset it) to keep it")
-    return text != "0"
+    on, silently: only ``0`` was read). Read as every on/off variable is:
+    ``machines/envflag.py``."""
+    try:
+        return env_flag(GATE_ENV, True, on="keep it",
+                        off="turn the configured chart_coverage_min gate off")
+    except EnvFlagError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def _base(config: pytest.Config, given_by_flag: bool) -> str:

@@ -17,7 +17,8 @@ while holding pool_mu, submit_mu or completion_mu (§5.2); KvManager calls hold 
 ``kv_call_mu``.
 
 Checking mode is on when ``ExecutorConfig.check_lock_order`` is set or the environment variable
-``CALEXEC_CHECK_LOCK_ORDER=1`` is (the test suite sets it, so every test checks the order);
+``CALEXEC_CHECK_LOCK_ORDER=1`` is (the test suite sets it, so every test checks the order; 0 or
+unset is off, another value an error naming it: ``machines/envflag.py``);
 every ``LockOrder`` registers itself in ``ALL_ORDERS`` so a test fixture can assert that no
 executor built during a test saw a violation.
 ``RankedLock`` is a ``threading.Lock`` with a rank. In checking mode (tests, or
@@ -29,10 +30,11 @@ completion thread prove it holds nothing before ``Wait()``.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
+
+from calexec.machines.envflag import env_flag
 
 if TYPE_CHECKING:
     from calexec.machines.clock import Clock
@@ -55,8 +57,15 @@ ORDER_TEXT = " -> ".join(RANK_NAMES[r] for r in sorted(RANK_NAMES))
 ALL_ORDERS: weakref.WeakSet[LockOrder] = weakref.WeakSet()
 
 
+#: the environment variable that turns checking mode on (tests: tests/conftest.py sets it)
+CHECK_ENV = "CALEXEC_CHECK_LOCK_ORDER"
+
+
 def checking_from_env() -> bool:
-    return os.environ.get("CALEXEC_CHECK_LOCK_ORDER", "") not in ("", "0")
+    """``$CALEXEC_CHECK_LOCK_ORDER``: 1 on, 0 or unset off; another value raises
+    ``EnvFlagError`` naming it (until stop 67 any value but 0 was on: ``=false`` too)."""
+    return env_flag(CHECK_ENV, False, on="check the executor's lock order",
+                    off="leave it unchecked (ExecutorConfig.check_lock_order still turns it on)")
 
 
 class LockOrderViolation(RuntimeError):
@@ -70,7 +79,8 @@ class LockOrder:
                  clock: Clock | None = None) -> None:
         from calexec.machines.clock import SYSTEM
         self.clock = clock or SYSTEM  # carried to every controller that gets this order
-        self.checking = checking or checking_from_env()
+        from_env = checking_from_env()  # (read even when given: a bad value is said)
+        self.checking = checking or from_env
         self.strict = strict
         self.violations: list[str] = []
         self._local = threading.local()

@@ -1,0 +1,58 @@
+"""Known defects left by earlier stops, fixed at stop 67 (docs/traceability.md, "Found at stop
+67 (leftovers)")."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from calexec import cli
+from calexec.machines.envflag import EnvFlagError
+from calexec.machines.locks import LockOrder
+
+
+@pytest.mark.parametrize("value", ["false", "no", "off", "true", "2"])
+def test_a_lock_order_variable_that_is_not_0_or_1_is_refused_naming_it(monkeypatch, value):
+    """``CALEXEC_CHECK_LOCK_ORDER=false`` turned the lock-order checker on (any value but 0
+    did); now a value other than 0 or 1 is an error naming the variable and what to give,
+    read as ``CALEXEC_TRANSITION_GATE`` is (one parser, machines/envflag.py)."""
+    monkeypatch.setenv("CALEXEC_CHECK_LOCK_ORDER", value)
+    with pytest.raises(EnvFlagError) as err:
+        LockOrder()
+    assert str(err.value).startswith(
+        f"CALEXEC_CHECK_LOCK_ORDER={value!r}: give 1 to check the executor's lock order, "
+        "or 0 (or unset it) to leave it unchecked")
+
+
+@pytest.mark.parametrize(("value", "checking"), [("0", False), ("", False), (" 1 ", True),
+                                                 ("1", True)])
+def test_a_lock_order_variable_of_0_or_1_turns_the_checker_off_or_on(monkeypatch, value,
+                                                                     checking):
+    monkeypatch.setenv("CALEXEC_CHECK_LOCK_ORDER", value)
+    assert LockOrder().checking is checking
+    assert LockOrder(checking=True).checking is True
+
+
+@pytest.mark.parametrize("value", ["0", "", "no"])
+def test_calexec_debug_0_keeps_the_internal_error_to_one_line(monkeypatch, capsys, value):
+    """``CALEXEC_DEBUG=0 calexec ...`` raised the traceback of an internal error (any
+    non-empty value did); 0 now keeps the one line, and a word is named as refused."""
+    module = importlib.import_module(cli.COMMANDS["demo"].module)
+    monkeypatch.setattr(module, "main", lambda argv: 1 / 0)
+    monkeypatch.setenv("CALEXEC_DEBUG", value)
+    assert cli.main(["demo"]) == 70
+    lines = capsys.readouterr().err.splitlines()
+    assert "internal error: ZeroDivisionError" in lines[-1], lines
+    assert (lines[:-1] == [] if value != "no" else lines[:-1] == [
+        "calexec demo: CALEXEC_DEBUG='no': give 1 to see the traceback, or 0 (or unset it) "
+        "to see this one line"]), lines
+
+
+def test_calexec_debug_1_raises_the_traceback(monkeypatch):
+    module = importlib.import_module(cli.COMMANDS["demo"].module)
+    monkeypatch.setattr(module, "main", lambda argv: 1 / 0)
+    monkeypatch.setenv("CALEXEC_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["demo"])
+
