@@ -3,7 +3,8 @@
 ``check_calbin`` (``DeviceExecutor.check_calbin``) refuses what a model switch would refuse
 at its first step, loading and resolving the calbin, without touching the device, the
 generation or the lifecycle: a path that is not an existing, non-empty, readable regular file
-(stat first: a FIFO, a device such as /dev/zero or a directory is never opened), a file the
+(stat first: a FIFO, a device such as /dev/zero or a directory is never opened; a /proc or
+sysfs file, whose size stat gives as 0, is read one byte to tell it from an empty one), a file the
 runtime says is not a calbin (``runtime.inspect_calbin``, when the runtime offers it: the
 bundled emulator runs its own loader on a scratch device; a vendor shim's second device would
 be hardware, so only the file and the manifest's sha256 pin are checked there), and a calbin
@@ -78,12 +79,37 @@ def _file_refusal(path: object, max_bytes: int | None) -> Status | None:
         return refused("not_a_file", shown,
                        f"not a regular file (mode {stat.filemode(info.st_mode)})")
     if info.st_size == 0:
-        return refused("empty", shown, "the file is empty")
+        return _size_zero(path, shown)
     if max_bytes is not None and info.st_size > max_bytes:
         return refused("too_large", shown, f"{info.st_size} bytes > max_calbin_bytes={max_bytes}")
     if not os.access(path, os.R_OK):
         return refused("unreadable", shown, "the file is not readable by the server")
     return None
+
+
+def _size_zero(path: str, shown: str) -> Status:
+    """The refusal of a regular file whose size ``stat`` gives as 0: empty, or (one byte read
+    without blocking says so) a file the kernel makes up as it is read, whose size is no bound
+    on what a read returns: /proc's and sysfs's (``/proc/self/environ``) were refused "the file
+    is empty" until stop 67. A calbin is a file with a size (``max_calbin_bytes`` is checked
+    on it), so one without is refused ``calbin.not_a_file``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as err:
+        return refused("unreadable", shown, f"cannot read the file ({err.strerror or err})")
+    try:
+        first = os.read(fd, 1)
+    except BlockingIOError:
+        first = b"?"  # (a read that would wait: no file on a disk either)
+    except OSError as err:
+        return refused("unreadable", shown, f"cannot read the file ({err.strerror or err})")
+    finally:
+        os.close(fd)
+    if not first:
+        return refused("empty", shown, "the file is empty")
+    return refused("not_a_file", shown,
+                   "its size is given as 0 but a read returns bytes: a file made up as it is "
+                   "read (/proc, sysfs), not a calbin file on a disk")
 
 
 #: bytes of the file the check reads to see that it can be read (all it reads in Python

@@ -8,6 +8,8 @@ import importlib
 import pytest
 
 from calexec import cli
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.machines import switch_check
 from calexec.machines.envflag import EnvFlagError
 from calexec.machines.locks import LockOrder
 
@@ -55,4 +57,24 @@ def test_calexec_debug_1_raises_the_traceback(monkeypatch):
     monkeypatch.setenv("CALEXEC_DEBUG", "1")
     with pytest.raises(ZeroDivisionError):
         cli.main(["demo"])
+
+
+@pytest.mark.parametrize(("path", "reason", "said"), [
+    ("/proc/self/environ", "not_a_file",
+     "its size is given as 0 but a read returns bytes: a file made up as it is read"),
+    ("/proc/self/status", "not_a_file", "its size is given as 0 but a read returns bytes"),
+    (None, "empty", "the file is empty"),  # (an empty file on a disk: tmp_path's)
+])
+def test_a_reload_of_a_proc_file_is_not_called_empty(tmp_path, path, reason, said):
+    """``POST /admin/reload {"calbin": "/proc/self/environ"}`` (any /proc or sysfs file,
+    whose ``st_size`` is 0) was refused ``calbin.empty: the file is empty`` while a read
+    returns its bytes; the check reads one byte (without blocking) when stat says 0, and
+    refuses such a file ``calbin.not_a_file`` saying why. An empty file is still empty."""
+    if path is None:
+        path = str(tmp_path / "empty.calbin")
+        (tmp_path / "empty.calbin").write_bytes(b"")
+    manifest = load_manifest(default_manifest_path())
+    checked = switch_check.check_calbin(object(), manifest, path)
+    assert checked.code == f"calbin.{reason}", checked
+    assert (checked.message or "").startswith(f'calbin="{path}": {said}'), checked.message
 
