@@ -402,12 +402,32 @@ class _Loader(importlib.abc.Loader):
         self.callback(module)
 
 
+def env_value(text: str) -> str:
+    """``text`` as an environment value holding its UTF-8 bytes, whatever this process's
+    locale: Python encodes ``os.environ`` (and a child's ``env=``) with the file system
+    encoding, ASCII under ``LC_ALL=C PYTHONUTF8=0``, where a mutant id naming a non-ASCII
+    state (``drop:rangé-emprunter->prêté``) was a UnicodeEncodeError ending ``charts mutate``
+    as an internal error. Read back with :func:`env_text`."""
+    return os.fsdecode(text.encode("utf-8", "surrogateescape"))
+
+
+def env_text(value: str) -> str:
+    """An environment value's (or a command-line argument's) UTF-8 bytes as text (what
+    :func:`env_value` wrote, whatever the locale of the process that reads it; bytes that are
+    no UTF-8 as lone surrogates)."""
+    try:
+        return os.fsencode(value).decode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # (text already: characters the file system encoding has not)
+        return value
+
+
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     """Arrange for the mutant named by ``CALEXEC_CHART_MUTANT`` to be applied (see the module
     docstring). Does nothing when it is unset."""
     value = environ.get(ENV)
     if not value:
         return
+    value = env_text(value)
     target, _, mutant_id = value.partition("@")
     module_name, _, class_name = target.partition(":")
     if not (module_name and class_name and mutant_id):

@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -78,3 +83,45 @@ def test_a_reload_of_a_proc_file_is_not_called_empty(tmp_path, path, reason, sai
     assert checked.code == f"calbin.{reason}", checked
     assert (checked.message or "").startswith(f'calbin="{path}": {said}'), checked.message
 
+
+
+PRET = '''
+from statemachine import State, StateMachine
+
+
+class Pret(StateMachine):
+    rangé = State(initial=True)
+    prêté = State()
+    perdu = State(final=True)
+
+    emprunter = rangé.to(prêté)
+    rendre = prêté.to(rangé)
+    perdre = prêté.to(perdu)
+'''
+
+
+def test_charts_mutate_of_non_ascii_states_runs_under_an_ascii_locale(tmp_path):
+    """``LC_ALL=C PYTHONUTF8=0 calexec charts mutate --chart pret:Pret --mutant
+    'drop:prêté-perdre->perdu' ...`` (state names that are not ASCII): the id given was "no
+    such mutant" (the argument decoded as ASCII), every mutant's run an internal error (exit
+    70: the mutant's id in the child's environment could not be encoded), and mutation.md
+    could not be written. The id is taken as its UTF-8 bytes, passed to the child as them and
+    read back so; the report is written in UTF-8."""
+    (tmp_path / "pret.py").write_text(PRET, encoding="utf-8")
+    check = "import pret; p = pret.Pret(); p.emprunter(); p.perdre(); assert p.perdu.is_active"
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0"}
+    env.pop("PYTHONIOENCODING", None)
+    code = ("import sys; from calexec.cli import main\n"
+            "assert sys.getfilesystemencoding() == 'ascii', sys.getfilesystemencoding()\n"
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", code, "charts", "mutate", "--cwd", str(tmp_path), "--json",
+         "--chart", "pret:Pret", "--test-cmd", f"{sys.executable} -c {shlex.quote(check)}",
+         "--mutant", "drop:prêté-perdre->perdu", "--report", str(tmp_path / "report")],
+        env=env, capture_output=True, timeout=300)
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 0, err
+    (mutant,) = json.loads(done.stdout)["mutants"]
+    assert (mutant["id"], mutant["status"]) == ("drop:prêté-perdre->perdu", "killed"), err
+    assert "drop:prêté-perdre->perdu" in (tmp_path / "report" / "mutation.md").read_text(
+        encoding="utf-8")

@@ -240,6 +240,9 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
                 continue
             chosen.append((chart, mutant))
     if args.mutant:
+        # (an id names states: its UTF-8 bytes as text, whatever the locale decoded them as:
+        # under LC_ALL=C PYTHONUTF8=0 'drop:prêté-...' was no such mutant)
+        args.mutant = [mutants_mod.env_text(m) for m in args.mutant]
         wanted = set(args.mutant)
         by_id = {}
         for chart in charts:  # explicit ids may name any target, whatever --targets-per-transition
@@ -660,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(scratch_dir)
         site = scratch / "site"
         site.mkdir()
-        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
         base_env = dict(os.environ)
         for name in (mutants_mod.ENV, mutants_mod.ACK_ENV):
             base_env.pop(name, None)
@@ -733,10 +736,11 @@ def main(argv: list[str] | None = None) -> int:
                 return outcome
             env = env_for(str(index))
             ack = scratch / f"ack-{index}"
-            env[mutants_mod.ENV] = f"{chart.target}@{mutant.id}"
+            named = f"{chart.target}@{mutant.id}"
+            env[mutants_mod.ENV] = mutants_mod.env_value(named)  # (its UTF-8, in any locale)
             env[mutants_mod.ACK_ENV] = str(ack)
             code, outcome.seconds, output = _run(command, cwd, env, timeout, running)
-            applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text(
+            applied = ack.is_file() and named in ack.read_text(
                 encoding="utf-8", errors="surrogateescape").splitlines()
             _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
             if not applied and chart.name in unseen:
@@ -783,8 +787,10 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.report)
         try:
             with cliargs.staged_report("--report", out, REPORT_FILES) as staged:  # (both or neither)
-                Path(staged, "mutation.md").write_text(text)
-                Path(staged, "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+                Path(staged, "mutation.md").write_text(text, encoding="utf-8",
+                                                       errors="surrogateescape")
+                Path(staged, "mutation.json").write_text(json.dumps(report, indent=2) + "\n",
+                                                         encoding="utf-8")
         except cliargs.UserError as err:
             unwritten = err
         except OSError as err:
