@@ -56,6 +56,7 @@ The executor reads the lifecycle only through public names (``run``, ``admitting
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import math
@@ -63,6 +64,7 @@ import numbers
 import os
 import shlex
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -149,6 +151,26 @@ def _forked_child() -> None:
 
 if hasattr(os, "register_at_fork"):  # (POSIX)
     os.register_at_fork(after_in_child=_forked_child)
+
+
+def _never_shut_down() -> None:
+    """``atexit``: a ``ResourceWarning`` for each executor this process started and never
+    shut down (an embedder's bug: dropped, or forgotten at exit), as Python warns of a file
+    or subprocess left open. Its threads keep it alive, so it is never collected (no
+    finalizer runs), and each one dropped left its threads running and its device open,
+    silently, until the process ended (found at stop 67). Ignored by default, as Python's
+    own: ``python -W default`` or ``-X dev`` shows them."""
+    for life in list(_STARTED):
+        if (life.started_in == os.getpid() and not life._device_closed
+                and not life.shutdown_requested()):
+            warnings.warn(
+                f"a DeviceExecutor started in this process (lifecycle {life.run.state}) was "
+                "never shut down: its threads ran and its device stayed open until the "
+                "process ended; call executor.shutdown(grace) when done with it "
+                "(docs/embedding.md section 6)", ResourceWarning, stacklevel=1)
+
+
+atexit.register(_never_shut_down)
 
 
 #: the lifecycle states a recovery or model switch passes through: a request arriving in one

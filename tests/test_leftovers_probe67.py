@@ -125,3 +125,42 @@ def test_charts_mutate_of_non_ascii_states_runs_under_an_ascii_locale(tmp_path):
     assert (mutant["id"], mutant["status"]) == ("drop:prêté-perdre->perdu", "killed"), err
     assert "drop:prêté-perdre->perdu" in (tmp_path / "report" / "mutation.md").read_text(
         encoding="utf-8")
+
+
+DROPPED = '''
+import sys
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+
+def started():
+    ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                        ExecutorConfig(calbin_path=sys.argv[1]))
+    assert ex.start().ok
+    return ex
+
+
+started()  # dropped: never shut down
+assert started().shutdown(5.0).ok
+'''
+
+
+def test_an_executor_dropped_without_shutdown_is_a_resource_warning(tmp_path):
+    """An embedder that drops a started ``DeviceExecutor`` without ``shutdown()``: its threads
+    keep it alive (never collected, no finalizer), run on, and its device stays open, and
+    nothing said so. At exit each such executor is now a ``ResourceWarning`` (shown under
+    ``-W default`` or ``-X dev``, as Python's own for an unclosed file); one shut down is
+    not."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "model.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    (tmp_path / "dropped.py").write_text(DROPPED)
+    done = subprocess.run([sys.executable, "-W", "default", str(tmp_path / "dropped.py"),
+                           str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    warned = [line for line in done.stderr.splitlines() if "ResourceWarning" in line]
+    assert len(warned) == 1, done.stderr
+    assert ("ResourceWarning: a DeviceExecutor started in this process (lifecycle Ready) was "
+            "never shut down" in warned[0]), warned
