@@ -77,13 +77,19 @@ class UserError(Exception):
 def as_user_error(exc: BaseException) -> UserError | None:
     """``exc`` as the :class:`UserError` it means, or None for a bug: a ``UserError`` itself,
     or a ``DeviceSpecError`` (a ``--runtime-lib``/``--manifest``/``--calbin``/``$CALEXEC_CALRT_LIB``
-    found bad only when a command opens it: one line naming the flag, exit 2)."""
+    found bad only when a command opens it: one line naming the flag, exit 2), or an
+    ``EnvFlagError`` (an on/off ``CALEXEC_*`` variable set to another value than 0 or 1)."""
     if isinstance(exc, UserError):
         return exc
     # (looked up, not imported: an exception of that class means its module is loaded, and an
     # internal error must not import the device layer to be reported)
     device_spec = sys.modules.get("calexec.drivers.device_spec")
     if device_spec is not None and isinstance(exc, device_spec.DeviceSpecError):
+        return UserError(str(exc))
+    # an on/off CALEXEC_* variable given another value than 0 or 1, read when the executor is
+    # built (CALEXEC_CHECK_LOCK_ORDER=false: an internal error, exit 70, until stop 67)
+    envflag = sys.modules.get("calexec.machines.envflag")
+    if envflag is not None and isinstance(exc, envflag.EnvFlagError):
         return UserError(str(exc))
     return None
 

@@ -32,6 +32,17 @@ def test_a_lock_order_variable_that_is_not_0_or_1_is_refused_naming_it(monkeypat
         "or 0 (or unset it) to leave it unchecked")
 
 
+def test_a_bad_lock_order_variable_is_one_line_exit_2_from_a_command(monkeypatch, capsys):
+    """``CALEXEC_CHECK_LOCK_ORDER=false calexec demo``: the refusal, raised as the executor is
+    built, is a configuration error (one line, exit 2), not an internal error (exit 70)."""
+    monkeypatch.setenv("CALEXEC_CHECK_LOCK_ORDER", "false")
+    assert cli.main(["demo"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "calexec demo: CALEXEC_CHECK_LOCK_ORDER='false': give 1 to check the executor's lock "
+        "order, or 0 (or unset it) to leave it unchecked (ExecutorConfig.check_lock_order "
+        "still turns it on)"]
+
+
 @pytest.mark.parametrize(("value", "checking"), [("0", False), ("", False), (" 1 ", True),
                                                  ("1", True)])
 def test_a_lock_order_variable_of_0_or_1_turns_the_checker_off_or_on(monkeypatch, value,
