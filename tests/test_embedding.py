@@ -1233,3 +1233,53 @@ def test_a_decode_stream_whose_first_step_cannot_be_valid_is_closed_when_made(ca
         assert ex.release_sequence(1, 1.0).ok
         snap = ex.snapshot()
         assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
+
+
+# ---- docs/embedding.md section 5: the control core's loggers ----------------------------------
+CORE_DIRS = ("machines", "contracts", "drivers/calrt")
+
+
+def _core_logging_calls() -> tuple[set[str], list[str]]:
+    """The logger names the control core creates (``logging.getLogger("...")``, or a
+    module's ``__name__``), and every ``print(...)`` or handler set-up call in it."""
+    import ast
+
+    root = DOC.parent.parent
+    names: set[str] = set()
+    offences: list[str] = []
+    for folder in CORE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            module = "calexec." + ".".join(path.relative_to(root).with_suffix("").parts)
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                if called == "getLogger":
+                    arg = node.args[0] if node.args else None
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                        names.add(arg.value)
+                    elif isinstance(arg, ast.Name) and arg.id == "__name__":
+                        names.add(module)
+                    else:
+                        offences.append(f"{where}: getLogger of no fixed name")
+                elif called in ("print", "basicConfig", "addHandler"):
+                    offences.append(f"{where}: {called}()")
+    return names, offences
+
+
+def test_the_documented_loggers_are_the_ones_the_control_core_logs_on():
+    """An embedder routes the core's lines by logger name (its faults to alerting, say), and
+    the page named only ``calexec.job``: found at stop 67 embedding the executor, the names
+    were to be read from the source. The page's list is the core's loggers, each a child of
+    ``calexec``; the core never prints nor installs a handler of its own."""
+    text = DOC.read_text(encoding="utf-8")
+    listed_block = text.split("<!-- embedding-loggers:start -->", 1)[1].split(
+        "<!-- embedding-loggers:end -->", 1)[0]
+    listed = {line.split("`", 2)[1] for line in listed_block.splitlines()
+              if line.strip().startswith("- `")}
+    names, offences = _core_logging_calls()
+    assert not offences
+    assert names and all(name.startswith("calexec.") for name in names)
+    assert listed == names, (sorted(listed - names), sorted(names - listed))
