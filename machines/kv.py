@@ -371,6 +371,7 @@ class KvCoordinator:
     def _wait_in_turn(self, seq_id: int, target: int, needed: int, fresh: bool,
                       ticket: _Claim, deadline: float, stop: Callable[[], Status | None],
                       ctx: dict[str, Any]) -> Status | None:
+        waited = False  # it waited for KV: its deadline passing is the KV's answer
         while True:
             with self.admission_mu:
                 closed = self._closed
@@ -379,6 +380,11 @@ class KvCoordinator:
                 behind = fresh and bool(self._fifo) and self._fifo[0] is not ticket
             stopped = stop()
             if stopped is not None:  # the owner's words first (a shutdown closes the KV)
+                if (waited and stopped.category == Category.DEADLINE
+                        and self.clock.monotonic() >= deadline):
+                    # the owner's deadline check saw it first (woken by a release or the
+                    # queue moving, not by the timeout): the same wait, the same answer
+                    return self._kv_deadline(seq_id, target, needed, ctx)
                 return stopped
             if closed:
                 return Status.unavailable(Phase.ADMISSION, "the KvManager was closed (its "
@@ -402,18 +408,25 @@ class KvCoordinator:
                 while self._epoch == epoch and not self._closed:
                     remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:
-                        return Status.failure(
-                            "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
-                            f"KV capacity for seq {seq_id} (target_len={target}, {needed} more "
-                            "blocks) not available before the deadline", **ctx)
+                        return self._kv_deadline(seq_id, target, needed, ctx)
                     if stop() is not None:
                         break
+                    waited = True
                     self._waiting += 1
                     try:
                         self.clock.wait(self._changed, remaining)
                     finally:
                         self._waiting -= 1
                     self.wakeups += 1
+
+    @staticmethod
+    def _kv_deadline(seq_id: int, target: int, needed: int, ctx: dict[str, Any]) -> Status:
+        """The deadline passed while the reservation waited for KV: ``kv.deadline``
+        (RESOURCE_EXHAUSTED, 429: retry later or smaller), however the waiter woke."""
+        return Status.failure(
+            "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
+            f"KV capacity for seq {seq_id} (target_len={target}, {needed} more blocks) not "
+            "available before the deadline", **ctx)
 
     def reserve_next(self, prev: KvTxn, token_count: int) -> KvTxn | Status:
         """Pre-arm (a decode stream): a txn for the job after ``prev`` of the same sequence,

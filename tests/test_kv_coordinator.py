@@ -10,6 +10,7 @@ import time
 import pytest
 
 from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
 from calexec.machines.clock import Clock
 from calexec.machines.kv import KvCoordinator, KvTxn
 from calexec.machines.locks import LockOrder
@@ -584,3 +585,51 @@ def test_a_fresh_reservation_that_finds_the_queue_emptied_before_it_joins_tries_
     assert isinstance(got_head[0], KvTxn) and kv.lens[2] == 16
     assert isinstance(newcomer, KvTxn), newcomer  # 3 blocks free: not kv.deadline
     assert kv.lens[3] == 16
+
+
+class ShiftedClock(WatchedClock):
+    """A :class:`WatchedClock` whose ``monotonic`` the test moves forward (``shift``): a
+    deadline passes when the test says so, whatever the waits' own timeouts."""
+
+    __slots__ = ("shift",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.shift
+
+
+def test_a_wait_for_kv_woken_after_its_deadline_answers_kv_deadline_however_it_woke():
+    """An embedder's requests waiting for KV (enqueue from several threads, the KV held by
+    another sequence) past their deadline got ``kv.deadline`` (429, retry later or smaller)
+    or ``admission.deadline`` (504) at random: one whose timed wait ended answered the
+    former, one woken just after its deadline by a release or the queue moving (another
+    waiter joining or leaving) found the executor's deadline check first (found at stop 67:
+    5 of 6 such requests answered 504). The same wait, past its deadline, is
+    ``kv.deadline`` however it woke; a cancel or shutdown still answers as itself."""
+    clock = ShiftedClock()
+    kv = GatedKv(capacity_blocks=4)
+    kvc = KvCoordinator(kv, 1, LockOrder(checking=True, strict=True, clock=clock))
+    held = [kvc.reserve(seq, 0, 16, clock.monotonic() + 5) for seq in (1, 3)]
+    assert all(isinstance(txn, KvTxn) for txn in held)
+    deadline = clock.monotonic() + 10
+
+    def stop() -> Status | None:  # as the executor's (DeviceExecutor._stop_reason)
+        if clock.monotonic() >= deadline:
+            return Status.deadline(Phase.ADMISSION, "admission deadline passed")
+        return None
+
+    waiter, got = in_thread(lambda: kvc.reserve(2, 0, 4 * 16, deadline, stop=stop))
+    assert parked(kvc, waiter)
+    clock.shift = 60.0  # its deadline passed; its timed wait has not ended yet
+    kvc.rollback(held[1])
+    assert kvc.reset_sequence(3).ok  # a block given back (not enough): the waiter wakes
+    waiter.join(10)
+    assert not waiter.is_alive()
+    status = got[0]
+    assert isinstance(status, Status), status
+    assert (status.code, status.category, status.http_status) == (
+        "kv.deadline", Category.RESOURCE_EXHAUSTED, 429), status
+    assert "seq 2" in status.message and "before the deadline" in status.message
