@@ -132,7 +132,11 @@ class JobTrail(TypedDict):
 
 
 class ExecutorSnapshot(TypedDict):
-    """``snapshot()``: a consistent read of the executor's gauges and counters (for metrics)."""
+    """``snapshot()``: the executor's gauges and counters (for metrics). Each component's
+    figures are read under that component's own lock (the dispatch's ``queued``, ``inflight``
+    and ``pending_tokens`` together), not the whole snapshot at one instant: across
+    components two gauges may disagree for a moment (``inflight`` counts a job handed to the
+    device before its buffer slot moves to ``InFlight`` in ``slots``)."""
 
     lifecycle: str  #: one of ``LIFECYCLE_STATES``
     generation: int | None  #: the current model generation (None between generations)
