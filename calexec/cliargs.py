@@ -153,7 +153,18 @@ class Parser(argparse.ArgumentParser):
     ``--host 127.0.0.1 ... --host 0.0.0.0`` bound every interface without a word). The same
     value twice, and a flag that collects (``action="append"``, ``"count"``, ...), say
     nothing.
+
+    A flag is taken only as spelled in full (``allow_abbrev=False``): ``--dec 0`` is refused,
+    ``unrecognized arguments: --dec 0 (abbreviations are not taken: did you mean
+    --decode-us?)``. argparse's prefix matching made a command line's meaning depend on the
+    flags the command had: a script's ``--dec`` meant ``--decode-us`` until a later version
+    added another flag starting so (then it was refused as ambiguous), and a typo that is a
+    prefix of another flag was taken for it without a word.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if namespace is not None:  # a caller's namespace: argparse's own rules
@@ -201,7 +212,13 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
             for word in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.6)
+                name = word.split("=")[0]
+                longer = sorted(f for f in flags if f.startswith(name)) if len(name) > 2 else []
+                if name.startswith("--") and longer:  # (an abbreviation, taken until stop 67)
+                    message += (" (abbreviations are not taken: did you mean "
+                                f"{' or '.join(longer[:3])}{' or ...' if len(longer) > 3 else ''}?)")
+                    break
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
@@ -373,6 +390,16 @@ def latency_us(text: str) -> int:
 #: days (``conform --timeout 1e7`` was ``internal error: OverflowError``, exit 70, as ``1e30``
 #: was for every seconds flag).
 MAX_SECONDS = 1e6
+
+
+def wait_s(bound: float) -> float:
+    """A wait's bound in seconds derived from a count (``60 s`` per request of a ``--requests``
+    the user chose), made one the standard library's waits take: at most
+    :data:`MAX_SECONDS`. Unclamped, ``bench server --requests 150000`` ended its first load
+    block in ``internal error: OverflowError: timeout is too large`` (a subprocess's wait
+    takes at most about 24.8 days), ``--requests 1e30`` in ``timestamp out of range for
+    platform time_t`` (a thread's join)."""
+    return min(bound, MAX_SECONDS)
 
 
 def seconds(text: str) -> float:

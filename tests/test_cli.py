@@ -66,7 +66,7 @@ def test_mistyped_command_gets_a_suggestion(argv, suggestion, capsys):
 
 
 def test_mistyped_flag_gets_a_suggestion(capsys):
-    assert cli.main(["demo", "--seq", "2", "--tokns", "3"]) == 2
+    assert cli.main(["demo", "--seqs", "2", "--tokns", "3"]) == 2
     line = one_line(capsys.readouterr().err)
     assert line.startswith("calexec demo: error:") and "did you mean --tokens?" in line
 

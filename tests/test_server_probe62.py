@@ -43,8 +43,6 @@ ABSENT = ["--calbin", "/nonexistent/probe62.calbin"]
      "'0.0.0.0', is taken"),
     (["serve", *ABSENT, "--port", "1", "--port=2"],
      "--port given twice with different values (1, then 2): the last, 2, is taken"),
-    (["serve", *ABSENT, "--po", "1", "--port", "2"],
-     "--port given twice with different values (1, then 2): the last, 2, is taken"),
     (["serve", *ABSENT, "--port", "8000", "--grace", "1", "--port", "8001", "--port", "8002"],
      "--port given 3 times with different values (8000, then 8001, then 8002): the last, "
      "8002, is taken"),
@@ -53,7 +51,7 @@ ABSENT = ["--calbin", "/nonexistent/probe62.calbin"]
      "is taken"),
     (["demo", *ABSENT, "--seqs", "1", "--seqs", "2"],
      "--seqs given twice with different values (1, then 2): the last, 2, is taken"),
-], ids=["serve-host", "serve-port-equals", "serve-port-abbreviated", "serve-port-thrice",
+], ids=["serve-host", "serve-port-equals", "serve-port-thrice",
         "golden-out", "demo-seqs"])
 def test_a_single_value_flag_given_twice_with_different_values_is_named_and_the_last_taken(
         argv, said):

@@ -36,6 +36,8 @@ from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
 
+from calexec.cliargs import wait_s
+
 _TIMEOUT_S = 60.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -210,7 +212,7 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool
         t0 = time.perf_counter()
         for t in threads:
             t.start()
-        bound = time.monotonic() + _TIMEOUT_S * (count + 1)
+        bound = time.monotonic() + wait_s(_TIMEOUT_S * (count + 1))
         for t in threads:
             t.join(max(0.0, bound - time.monotonic()))
         if any(t.is_alive() for t in threads):

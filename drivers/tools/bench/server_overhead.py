@@ -137,7 +137,7 @@ def load(requests: int, concurrency: int, one: Callable[[int, int], None],
     errors: list[BaseException] = []
     worker_cpu = [0.0]  # the workers' own CPU (s), told before they end (threadcpu.span)
     stop = threading.Event()  # the bound passed: no worker takes another request
-    bound_s = 2 * _WAIT_S * (requests + 1) if timeout_s is None else timeout_s
+    bound_s = cliargs.wait_s(2 * _WAIT_S * (requests + 1)) if timeout_s is None else timeout_s
 
     def worker(w: int) -> None:
         cpu0 = time.thread_time()
@@ -303,7 +303,7 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
             "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens",
             str(max_tokens), "--warmup", str(WARMUP_REQUESTS), "--client", client,
             *(["--stream"] if stream else []), *(["--raw"] if raw else [])]
-    bound = _WAIT_S * (requests + WARMUP_REQUESTS + 2)
+    bound = cliargs.wait_s(_WAIT_S * (requests + WARMUP_REQUESTS + 2))
     result = run_json_program(argv, bound, "the load generator", BenchError)
     return result
 

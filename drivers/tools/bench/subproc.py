@@ -13,7 +13,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from calexec.cliargs import interrupts_held
+from calexec.cliargs import interrupts_held, wait_s
 
 #: how long a group told to end (SIGTERM) has to clean up before it is killed (SIGKILL)
 TERM_GRACE_S = 2.0
@@ -48,7 +48,8 @@ def run_group(argv: Sequence[str], timeout: float | None = None,
     process group of its own, killed whole when it times out (``subprocess.TimeoutExpired``,
     raised) or the caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
     ``subprocess.run`` kills only the program it started, so ``make``'s compiler ran on after
-    calexec had exited 130."""
+    calexec had exited 130. A ``timeout`` beyond what the wait takes is
+    :func:`calexec.cliargs.wait_s`'s bound."""
     proc: subprocess.Popen[str] | None = None
     try:
         with interrupts_held():  # (a Ctrl-C inside Popen(), its child started but not yet
@@ -56,7 +57,7 @@ def run_group(argv: Sequence[str], timeout: float | None = None,
             proc = subprocess.Popen(list(argv), cwd=cwd, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                     text=True, errors="replace", start_new_session=True)
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=None if timeout is None else wait_s(timeout))
     except BaseException:  # (TimeoutExpired, KeyboardInterrupt: the group ends with the call)
         if proc is None:  # (none started)
             raise

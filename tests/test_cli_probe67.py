@@ -1,0 +1,83 @@
+"""What the CLI probe of stop 67 found giving every command bad numbers, abbreviated flags and
+huge counts, each pinned (docs/traceability.md, "Found at stop 67 (cli)"): an abbreviated flag
+taken for the flag it starts, a wait bound derived from a huge count that overflowed the
+standard library's waits."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from calexec import cliargs
+from calexec.cli import main as cli
+from calexec.drivers.tools.bench import loadgen, server_overhead
+from calexec.drivers.tools.bench.subproc import run_group
+
+#: a calbin that is not there: a command line the parser takes ends at once refusing it
+ABSENT = ["--calbin", "/nonexistent/probe67.calbin"]
+
+
+@pytest.mark.parametrize(("argv", "typed", "full"), [
+    (["demo", *ABSENT, "--dec", "0"], "--dec", "--decode-us"),
+    (["demo", *ABSENT, "--seq", "2"], "--seq", "--seqs"),
+    (["serve", *ABSENT, "--po", "1"], "--po", "--port"),
+    (["bench", "overhead", *ABSENT, "--tok=5"], "--tok=5", "--tokens"),
+    (["--vers"], "--vers", "--version"),
+], ids=["demo-dec", "demo-seq", "serve-po", "overhead-tok-equals", "top-level-vers"])
+def test_an_abbreviated_flag_is_refused_naming_the_flag_in_full(argv, typed, full, capsys):
+    """``calexec demo --dec 0`` was taken as ``--decode-us 0`` (argparse's prefix matching),
+    so a script's meaning hung on the flags a version had: a later flag starting alike made
+    the same line an "ambiguous option" error, and a typo that is a prefix of another flag
+    was taken for it without a word. A flag is taken only as spelled in full now; the
+    refusal names the flag meant."""
+    assert cli(argv) == cliargs.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert f"unrecognized arguments: {typed}" in err, err
+    assert f"abbreviations are not taken: did you mean {full}?" in err, err
+
+
+def test_an_abbreviation_of_several_flags_is_one_line_naming_them(capsys):
+    parser = cliargs.parser("calexec probe", None)
+    for flag in ("--timeout", "--test-cmd", "--targets"):
+        parser.add_argument(flag)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--t", "1"])
+    err = capsys.readouterr().err
+    assert "did you mean --targets or --test-cmd or --timeout?" in err, err
+
+
+def test_a_wait_bound_beyond_the_standard_librarys_waits_is_clamped():
+    assert cliargs.wait_s(2.5e6) == cliargs.MAX_SECONDS
+    assert cliargs.wait_s(60.0) == 60.0
+    # a subprocess's wait of more than about 24.8 days: `bench server --requests 150000`'s
+    # out-of-process load generator (the bound is 60 s a request)
+    done = run_group([sys.executable, "-c", "print(1)"], 2.5e6)
+    assert done.returncode == 0 and done.stdout == "1\n"
+
+
+@pytest.fixture
+def closed_port():
+    """A loopback port bound but not listening: a connection to it is refused at once."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def test_a_huge_request_count_is_bounded_not_an_overflow(closed_port):
+    """``calexec bench server --requests 1000000000000000000000000000000`` ended in
+    ``internal error: OverflowError: timestamp out of range for platform time_t``, exit 70:
+    its load threads' join bound (60 s a request) overflowed. The bound is now one the
+    waits take; here every worker ends at its first failed request, and the failure is the
+    answer."""
+    huge = 10**30
+
+    def one(worker: int, i: int) -> None:
+        raise ConnectionRefusedError("refused")
+
+    with pytest.raises(server_overhead.BenchError, match="request.s. failed, first: refused"):
+        server_overhead.load(huge, 2, one)
+    with pytest.raises(loadgen.LoadError, match="request.s. failed"):
+        loadgen.run(f"http://127.0.0.1:{closed_port}", huge, 2, 1)
