@@ -18,7 +18,8 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted (Ctrl-C, or a SIGTERM to any command but ``serve``);
+internal error (a bug); 130 interrupted (Ctrl-C, or a SIGTERM, SIGHUP or SIGQUIT to any command
+but ``serve``: ``cliargs.sigterm_interrupts``);
 141 the reader closed stdout (``| head``); a stdout that cannot be written (a full disk, an I/O
 error: :class:`StdoutError`), or an output file, is one line naming it and the OS error
 (``cliargs.cannot_write``), exit 2. A stderr that cannot be written only silences the messages
@@ -277,7 +278,8 @@ def _run(argv: list[str] | None) -> int:
         # a SIGTERM (`timeout 600 calexec ...`, a supervisor, `kill PID`) is an interrupt as a
         # Ctrl-C is, so the command's temporary directory is removed and its child processes
         # end with it (they left /tmp/calexec-* behind, and `bench server`'s load generators
-        # and `bench overhead`'s build ran on); `serve` drains on it instead (docs/operations.md)
+        # and `bench overhead`'s build ran on); `serve` drains on it instead (docs/operations.md);
+        # a SIGHUP (the terminal closed) and a SIGQUIT (Ctrl-\) likewise
         with contextlib.nullcontext() if name == "serve" else sigterm_interrupts():
             try:
                 return int(module.main(argv) or 0)

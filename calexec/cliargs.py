@@ -559,13 +559,23 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+#: the signals :func:`sigterm_interrupts` makes a Ctrl-C: a supervisor's or ``timeout``'s
+#: SIGTERM, the terminal's SIGHUP (its window closed, the ssh connection lost) and SIGQUIT
+#: (Ctrl-\); each would end calexec where it stood, its child processes running on
+ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGQUIT")
+                       if hasattr(signal, name))
+
+
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
-    """A SIGTERM during the block (``timeout``, a supervisor) raises ``KeyboardInterrupt`` in
-    the main thread, as a Ctrl-C does, so a command whose child processes would outlive it
-    ends them on its interrupt path and exits 130 (``conform``: its experiment child ran on,
-    then printed a traceback). Nothing changes off the main thread or where no handler can
-    be set."""
+    """A SIGTERM, SIGHUP or SIGQUIT (:data:`ENDING_SIGNALS`) during the block (``timeout``, a
+    supervisor, a terminal closed) raises ``KeyboardInterrupt`` in the main thread, as a
+    Ctrl-C does, so a command whose child processes would outlive it ends them on its
+    interrupt path and exits 130 (``conform``: its experiment child ran on, then printed a
+    traceback; ``charts mutate``'s test command ran on after a SIGHUP ended calexec, exit
+    129). A signal ignored when the block starts (``nohup`` ignores SIGHUP, a background job
+    of a non-interactive shell SIGQUIT) stays ignored. Nothing changes off the main thread
+    or where no handler can be set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -573,20 +583,27 @@ def sigterm_interrupts() -> Iterator[None]:
     def interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
+    previous: dict[int, Any] = {}
     try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        for sig in ENDING_SIGNALS:
+            if sig == signal.SIGTERM or signal.getsignal(sig) != signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, interrupt)
     except (ValueError, OSError):
+        for sig, kept in previous.items():
+            signal.signal(sig, kept)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, kept in previous.items():
+            signal.signal(sig, kept)
 
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Hold a SIGINT, and a SIGTERM a Python handler takes (:func:`sigterm_interrupts`'), for
+    """Hold a SIGINT, and a SIGTERM, SIGHUP or SIGQUIT a Python handler takes
+    (:func:`sigterm_interrupts`'), for
     the block and deliver the first after, as the handler in place would have: what must not
     be cut in two (files renamed into place, a child started and recorded to be ended) runs
     whole. The main thread only (elsewhere Python runs no handler); a signal with a handler
@@ -597,7 +614,7 @@ def interrupts_held() -> Iterator[None]:
     received: list[int] = []
     previous: dict[int, Any] = {}
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *ENDING_SIGNALS):
             handler = signal.getsignal(sig)
             if handler is not None and (sig == signal.SIGINT or callable(handler)):
                 previous[sig] = signal.signal(sig, lambda num, frame: received.append(num))

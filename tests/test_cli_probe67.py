@@ -1,12 +1,17 @@
 """What the CLI probe of stop 67 found giving every command bad numbers, abbreviated flags and
 huge counts, each pinned (docs/traceability.md, "Found at stop 67 (cli)"): an abbreviated flag
 taken for the flag it starts, a wait bound derived from a huge count that overflowed the
-standard library's waits."""
+standard library's waits, a SIGHUP or SIGQUIT that ended a command with its children running
+on."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,3 +86,74 @@ def test_a_huge_request_count_is_bounded_not_an_overflow(closed_port):
         server_overhead.load(huge, 2, one)
     with pytest.raises(loadgen.LoadError, match="request.s. failed"):
         loadgen.run(f"http://127.0.0.1:{closed_port}", huge, 2, 1)
+
+
+@pytest.mark.parametrize("sig", ["SIGHUP", "SIGQUIT"])
+def test_a_hangup_or_quit_ends_the_command_and_its_child_processes(tmp_path, sig):
+    """``calexec charts mutate`` (any command whose child processes would outlive it: conform's
+    experiment, a build, ``diagrams live``'s browser) ended by a SIGHUP (its terminal closed,
+    the ssh connection lost) died at once, exit 129, its test command running on (calexec's
+    whole suite by default); SIGQUIT (Ctrl-\\) the same. Both are now an interrupt, as a
+    SIGTERM is: the command ends its children, says ``interrupted`` and exits 130."""
+    (tmp_path / "hupdoor67.py").write_text(
+        "from statemachine import State, StateChart\n\n\nclass Door(StateChart):\n"
+        "    closed = State(initial=True)\n    open_ = State()\n"
+        "    press = closed.to(open_) | open_.to(closed)\n")
+    started = tmp_path / "started"
+    # the test command says its pid, then sleeps until killed (never waited out)
+    command = (f"{sys.executable} -c \"import os, pathlib, time; "
+               f"pathlib.Path({str(started)!r}).write_text(str(os.getpid())); time.sleep(600)\"")
+    number = getattr(signal, sig)
+
+    def default_signals() -> None:  # (a background job of a shell ignores SIGQUIT: not here)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "calexec.cli", "charts", "mutate", "--chart", "hupdoor67:Door",
+         "--test-cmd", command, "--timeout", "600"], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_signals)
+    try:
+        deadline = time.monotonic() + 120
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        child = int(started.read_text())
+        proc.send_signal(number)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    try:
+        assert proc.returncode == 130, err
+        assert "calexec charts mutate: interrupted" in err, err
+        deadline = time.monotonic() + 60
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"the test command (pid {child}) runs on after the {sig}"
+    finally:
+        if _alive(child):  # (the defect: not left running past the test)
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_hangup_ignored_when_the_command_starts_stays_ignored():
+    """``nohup calexec bench soak ... &`` must outlive its terminal: a SIGHUP ignored when the
+    command starts is not made an interrupt."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with cliargs.sigterm_interrupts():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+            assert callable(signal.getsignal(signal.SIGTERM))
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
