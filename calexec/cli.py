@@ -219,13 +219,58 @@ def _unknown(argv: list[str]) -> int:
     return EXIT_CONFIG
 
 
+class _ClosedStdout:
+    """``sys.stdout`` of a process started with descriptor 1 closed (``calexec ... >&-``):
+    Python makes it None, and ``print`` to None writes nothing, so a command's result was
+    lost with exit 0. Every write fails as a write to a closed descriptor does (EBADF), so
+    the result that cannot be written is one line, exit 2, as a full stdout's is."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+
+def _fill_closed_descriptors() -> frozenset[int]:
+    """Point each of descriptors 0, 1, 2 found closed (``<&-``, ``>&-``, ``2>&-``, a
+    supervisor that closed them) at /dev/null, and return which were. Left closed, the next
+    file calexec opened took the lowest free one: a report, a calbin or a socket became the
+    stdin, stdout or stderr a child process inherits (``charts cover``'s command writes its
+    output there)."""
+    closed = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.append(fd)
+    for fd in closed:
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+        except OSError:  # (no /dev/null: nothing better to do)
+            break
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+    return frozenset(closed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
     flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
     it left during the command or before its buffered output was written, and a stdout that
     cannot take the output (a full disk, an I/O error) is one line, exit 2."""
+    closed = _fill_closed_descriptors()
     real, real_err = sys.stdout, sys.stderr
-    stdout = _Stdout(real) if real is not None else None
+    if real is None and 1 in closed:
+        stdout: _Stdout | None = _Stdout(_ClosedStdout())
+    else:
+        stdout = _Stdout(real) if real is not None else None
     if stdout is not None:
         sys.stdout = stdout
     stderr = _Stderr(real_err) if real_err is not None else None

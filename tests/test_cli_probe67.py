@@ -157,3 +157,40 @@ def test_a_hangup_ignored_when_the_command_starts_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def _closing(*fds: int):
+    """A ``preexec_fn`` closing ``fds`` in the child, as ``<&-``/``>&-`` does."""
+    def close() -> None:
+        for fd in fds:
+            os.close(fd)
+    return close
+
+
+@pytest.mark.parametrize("argv", [
+    ["--version"], ["charts", "paths", "calexec.machines.charts:JobChart"]],
+    ids=["version", "charts-paths"])
+def test_a_closed_stdout_is_one_line_exit_2_not_a_result_lost(argv):
+    """``calexec charts paths M:C >&-`` (stdout closed by the shell or a supervisor): Python
+    makes ``sys.stdout`` None, ``print`` wrote nothing, and the command exited 0 with its
+    result lost. Now it is a stdout that cannot be written, as a full one: one line, exit 2."""
+    done = subprocess.run([sys.executable, "-m", "calexec.cli", *argv],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_closing(1), timeout=120)
+    assert done.returncode == cliargs.EXIT_CONFIG, done.stderr
+    assert done.stderr.endswith("cannot write to stdout: Bad file descriptor\n"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_closed_standard_descriptors_are_not_reused_for_files():
+    """With stdin and stderr closed (``<&- 2>&-``) the next file calexec opened took
+    descriptor 0, then 2: a report or a socket became the stdin or stderr its child
+    processes inherit. They are /dev/null now, the next file gets a descriptor above 2."""
+    script = ("import os, sys\nfrom calexec.cli import main\ncode = main(['--version'])\n"
+              "fd = os.open(os.devnull, os.O_RDONLY)\nsys.stdout.write(f'\\n{code} {fd}\\n')\n")
+    done = subprocess.run([sys.executable, "-c", script], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          preexec_fn=_closing(0, 2), timeout=120)
+    code, fd = done.stdout.splitlines()[-1].split()
+    assert code == "0", done.stdout
+    assert int(fd) > 2, f"the next file opened took descriptor {fd}"
