@@ -278,6 +278,11 @@ def enable_contracts(*charts: ChartLike, raise_on_violation: bool = True) -> Con
     violation). ``ValueError`` for a contract naming an unknown state or event."""
     from calexec.machines.compiled import compiled
 
+    for chart in charts:
+        if isinstance(chart, (list, tuple, set, frozenset)):
+            raise TypeError(f"enable_contracts({chart!r:.60}): give the chart classes as "
+                            f"arguments, not in a {type(chart).__name__}: "
+                            f"enable_contracts(*charts)")
     monitor = ContractMonitor(raise_on_violation)
     for chart in charts:
         shared = compiled(chart)

@@ -96,6 +96,37 @@ def describe_transition(transition: DeclaredTransition) -> str:
     return f"{transition.source.id} --{events}--> {targets}"
 
 
+def not_a_chart(value: object, argument: str = "chart", compiled_form: bool = True) -> TypeError:
+    """The ``TypeError`` for ``argument=value`` where a chart class was expected (or, with
+    ``compiled_form``, its ``CompiledChart``), naming the argument and saying what to pass
+    for a newcomer's usual slips: an instance of the chart class (``Kiosk(model)``), the
+    ``MODULE:CLASS`` text the commands take, a module."""
+    expected = ("a python-statemachine chart class (a StateMachine or StateChart subclass)"
+                + (" nor a CompiledChart" if compiled_form else ""))
+    if isinstance(value, StateChart):
+        name = type(value).__name__
+        return TypeError(f"{argument}=<{name} instance>: an instance of the chart class {name} "
+                         f"is not {expected}: pass the class itself, {name} "
+                         f"(type(machine) of an instance)")
+    hint = ""
+    if isinstance(value, str):
+        module, sep, klass = value.partition(":")
+        hint = (f": pass the class itself (from {module} import {klass}), or load it with "
+                f"calexec.machines.chartref.load_chart({value!r})" if sep and module and klass
+                else ": pass the class itself (from MODULE import CLASS)")
+    elif inspect.ismodule(value):
+        hint = ": pass a chart class the module declares, not the module"
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return TypeError(f"{argument}={shown} is not {expected}{hint}")
+
+
+def is_chart_class(value: object) -> bool:
+    """Whether ``value`` is a python-statemachine chart class (``StateMachine`` is a
+    ``StateChart`` subclass)."""
+    return isinstance(value, type) and issubclass(value, StateChart)
+
+
 def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
     return list(declaration.states_map.values())
 
@@ -107,6 +138,8 @@ def unsupported(declaration: type[StateChart[Any]], runs: bool = True) -> list[s
 
     ``runs=False``: leave out what only a run cannot follow (async callbacks, ``async_only``):
     the tools that run nothing of the chart (diagrams, path enumeration) take it."""
+    if not is_chart_class(declaration):
+        raise not_a_chart(declaration, compiled_form=False)
     return [entry for entry, only_runs in _scan(declaration) if runs or not only_runs]
 
 
@@ -343,6 +376,8 @@ def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
     compound, parallel and history states, eventless transitions, validators and guards that
     are not one method name of the model (expressions, callables, methods of the chart
     class)."""
+    if not is_chart_class(declaration):
+        raise not_a_chart(declaration, compiled_form=False)
     found = []
     for state in _all_states(declaration):
         if state.parallel:
@@ -377,6 +412,8 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
     """Each action ``declaration`` declares (or defines by naming convention on the class),
     with where, and each class-level listener (``listeners = [...]``: its callbacks and
     guards): what the flat fast path would not call (the general run does)."""
+    if not is_chart_class(declaration):
+        raise not_a_chart(declaration, compiled_form=False)
     found = [f"class-level listener {_name(entry) if isinstance(entry, type) else repr(entry)!r}"
              for entry in class_listeners(declaration)]
     groups = {CallbackGroup.ENTER: "enter", CallbackGroup.EXIT: "exit",

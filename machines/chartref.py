@@ -36,7 +36,14 @@ class ChartRefError(ValueError):
 def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     """The python-statemachine chart class (a ``StateMachine`` or ``StateChart`` subclass)
     that ``ref`` (``MODULE:CLASS``, ``CLASS`` may be dotted) names; ``cwd`` (default: the
-    current directory) goes first on ``sys.path``. Raises ``ChartRefError``."""
+    current directory) goes first on ``sys.path``. Raises ``ChartRefError``; a ``ref`` that is
+    no str is a ``TypeError`` naming it."""
+    if not isinstance(ref, str):
+        kind = ("a chart class already: use it as is, no load_chart" if isinstance(ref, type)
+                and issubclass(ref, StateChart) else
+                "a path: give the module and class, 'MODULE:CLASS'" if isinstance(ref, os.PathLike)
+                else "expected the text 'MODULE:CLASS'")
+        raise TypeError(f"load_chart(ref={ref!r:.60}): {kind} (e.g. 'order_workflow:OrderWorkflow')")
     module_name, sep, class_name = ref.partition(":")
     if not sep or not module_name or not class_name:
         head, _, tail = ref.rpartition(".")

@@ -64,6 +64,7 @@ from calexec.machines.chart_support import (
     describe_transition,
     dotted_event,
     hierarchical,
+    not_a_chart,
     refuse_unsupported,
     semantics,
 )
@@ -824,8 +825,8 @@ def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
     if isinstance(declaration, CompiledChart):
         return declaration
     if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
-        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
-                        f"(a StateMachine or StateChart subclass) nor a CompiledChart")
+        raise not_a_chart(declaration)
+    _check_name(name)
     chart = vars(declaration).get(_COMPILED)
     if not isinstance(chart, CompiledChart):
         with _COMPILING:
@@ -839,6 +840,16 @@ def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
     return chart
 
 
+def _check_name(name: object) -> None:
+    """``name=`` of ``compiled``/``compile_chart``: None or a non-blank str (it keys coverage
+    and names the chart in every report), else a ``TypeError``/``ValueError`` naming it."""
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name={name!r}: expected a str (the chart's name in reports and "
+                        f"coverage) or None (the class name)")
+    if name is not None and not name.strip():
+        raise ValueError(f"name={name!r}: expected a non-blank str, or None (the class name)")
+
+
 def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -> CompiledChart:
     """Derive a new ``CompiledChart`` of the chart class ``declaration`` (``compiled`` returns
     the shared one; this one has listeners of its own). ``name`` defaults to the class name.
@@ -849,8 +860,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     ``GuardRejected`` as ``StateMachine`` refuses it.
     """
     if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
-        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
-                        f"(a StateMachine or StateChart subclass)")
+        raise not_a_chart(declaration, compiled_form=False)
+    _check_name(name)
     if name is None:
         name = declaration.__name__
     if not declaration.states:  # an abstract base: python-statemachine checks it no further

@@ -26,7 +26,7 @@ from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import ToolListener, alive
-from calexec.machines.compiled import ChartLike, Transition, compiled
+from calexec.machines.compiled import ChartLike, CompiledChart, Transition, compiled
 
 
 class TransitionRecorder:
@@ -63,7 +63,7 @@ def recording(charts: Iterable[ChartLike]) -> Iterator[TransitionRecorder]:
     """A fresh recorder attached to ``charts`` (compiled runs only) for the ``with`` block
     (detached after it; other listeners, such as the plugin's recorder, keep recording beside
     it)."""
-    shared = tuple(compiled(chart) for chart in charts)
+    shared = tuple(compiled(chart) for chart in _charts(charts, "recording"))
     recorder = TransitionRecorder()
     for chart in shared:
         chart.refuse_runs()  # (its own async callbacks: no run to record)
@@ -84,6 +84,7 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     class's listeners) and those alive already (``alive``: the listener added to each).
     Returns the call that undoes both, the listener removed from every instance it joined."""
     shared = compiled(chart)
+    _recorder(recorder, "track")
     shared.refuse_runs()  # (its own async callbacks: no run to record)
     recorder.claim(shared)
     listener = TransitionListener(shared, recorder)
@@ -161,12 +162,39 @@ class ChartCoverage:
         return f"transition coverage {self.chart}: {self.covered}/{self.declared}"
 
 
+def _charts(charts: object, function: str) -> list[ChartLike]:
+    """``charts`` of ``recording``/``report``, a collection of charts, as a list; one chart
+    class given alone (``recording(Kiosk)``), a str or anything not iterable is a
+    ``TypeError`` naming the argument and what to write."""
+    if isinstance(charts, (type, CompiledChart, str, StateChart)) or not isinstance(
+            charts, Iterable):
+        shown = getattr(charts, "__name__", None) or f"{charts!r:.60}"
+        named = shown
+        if isinstance(charts, StateChart):  # an instance: its class is the chart
+            named = type(charts).__name__
+            shown = f"<{named} instance>"
+        example = f"[{named}]" if function == "recording" else f"[{named}], recorder"
+        raise TypeError(f"{function}(charts={shown}): expected a list of chart classes (or "
+                        f"CompiledCharts), e.g. {function}({example})")
+    return list(charts)
+
+
+def _recorder(recorder: object, function: str) -> None:
+    """``recorder`` of ``track``/``report``: a ``TransitionRecorder``, else a ``TypeError``
+    naming it."""
+    if not isinstance(recorder, TransitionRecorder):
+        raise TypeError(f"{function}(..., recorder={recorder!r:.60}): expected a "
+                        f"TransitionRecorder (TransitionRecorder(), or the one recording() "
+                        f"yields)")
+
+
 def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[ChartCoverage]:
     """Per-chart coverage of ``charts`` from what ``recorder`` saw. Two chart classes of one
     name (among ``charts``, or one of them and a class the recorder recorded under that name)
     are a ``ValueError`` naming both: their keys are the same."""
     result = []
-    shared = list(map(compiled, charts))
+    shared = list(map(compiled, _charts(charts, "report")))
+    _recorder(recorder, "report")
     named: dict[str, type] = dict(recorder.charts)
     for chart in shared:
         known = named.setdefault(chart.name, chart.declaration)

@@ -299,6 +299,22 @@ class ActiveStatesError(ValueError):
         super().__init__(f"{chart}: {text}")
 
 
+def _given_states(active: object, argument: str) -> list[str]:
+    """The state ids or configurations ``active`` gives (a str, or an iterable of them; None:
+    none), else a ``TypeError`` naming ``argument`` and its value."""
+    if active is None:
+        return []
+    if isinstance(active, str):
+        return [active]
+    given: list[str] = []
+    for item in list(active) if isinstance(active, Iterable) else [active]:
+        if not isinstance(item, str):
+            raise TypeError(f"{argument}={active!r:.60}: {item!r:.40} is no state id (a str); "
+                            f"expected a state id, a configuration ('a,b'), several ids or None")
+        given.append(item)
+    return given
+
+
 def active_configuration(chart: ChartLike, active: str | Iterable[str] | None
                          ) -> tuple[str, ...]:
     """The states to highlight, in the chart's order: ``active`` is one state id, a
@@ -308,7 +324,7 @@ def active_configuration(chart: ChartLike, active: str | Iterable[str] | None
     at once."""
     chart = compiled(chart)
     names: list[str] = []
-    for given in ([] if active is None else [active] if isinstance(active, str) else active):
+    for given in _given_states(active, "active"):
         parts = [given] if given in chart.states else given.split(",")
         names += [part.strip() for part in parts if part.strip()]
     unknown = tuple(dict.fromkeys(name for name in names if name not in chart.states))
@@ -354,6 +370,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | Iterable[str] | None 
     edges of the ``taken`` transition ids drawn in ``PATH_COLOR``, ``notes`` (state -> text)
     written next to their state (the path of one job, its refusing guards)."""
     chart = compiled(chart)
+    active_state = _given_states(active_state, "active_state")
     taken = frozenset(taken)
     notes = dict(notes or {})
     visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
@@ -579,7 +596,15 @@ def run_graphviz(dot: str, fmt: str) -> bytes:
     return done.stdout
 
 
+def _dot_text(dot: object, function: str) -> None:
+    """``dot`` of ``svg_from_dot``/``png_from_dot``: DOT text, else a ``TypeError`` naming it."""
+    if not isinstance(dot, str):
+        raise TypeError(f"{function}(dot={dot!r:.60}): expected DOT text (a str, as "
+                        f"render_chart_dot returns it)")
+
+
 def svg_from_dot(dot: str) -> str:
+    _dot_text(dot, "svg_from_dot")
     svg = run_graphviz(dot, "svg").decode("utf-8")
     comment = _SHA_COMMENT.format(hashlib.sha256(dot.encode("utf-8")).hexdigest())
     head, sep, body = svg.partition("?>")  # keep the XML declaration first, if any
@@ -588,6 +613,7 @@ def svg_from_dot(dot: str) -> str:
 
 def png_from_dot(dot: str) -> bytes:
     """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``."""
+    _dot_text(dot, "png_from_dot")
     png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png")
     if not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
         raise GraphvizError("dot -Tpng did not return a PNG")

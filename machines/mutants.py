@@ -49,7 +49,7 @@ import attrs
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
-from calexec.machines.chart_support import dotted_event, refuse_unsupported
+from calexec.machines.chart_support import dotted_event, not_a_chart, refuse_unsupported
 from calexec.machines.guard_expr import callable_name, canonical
 
 ENV = "CALEXEC_CHART_MUTANT"
@@ -317,10 +317,7 @@ def _chart_class(declaration: object) -> type[StateMachine]:
 
     if isinstance(declaration, CompiledChart):
         return declaration.declaration  # type: ignore[return-value]  # a StateChart class
-    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
-        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
-                        f"(a StateMachine or StateChart subclass) nor a CompiledChart")
-    return declaration  # type: ignore[return-value]  # a StateMachine is a StateChart
+    raise not_a_chart(declaration)
 
 
 def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:

@@ -62,6 +62,7 @@ from types import MappingProxyType
 from typing import Any, NotRequired, TypedDict
 
 import attrs
+from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines import mutants
@@ -1188,6 +1189,9 @@ class GuardTable:
                  strict: bool = False) -> None:
         if not isinstance(strict, bool):
             raise TypeError(f"GuardTable: strict={strict!r}: expected True or False")
+        if not isinstance(default, bool):  # (None would answer every guard not set: False)
+            raise TypeError(f"GuardTable: default={default!r}: expected True or False (what a "
+                            f"guard the outcomes do not name answers)")
         if strict and self._calexec_guards is None:
             raise ValueError("GuardTable: strict=True needs the chart whose guards it checks: "
                              "GuardTable.for_chart(chart, strict=True)")
@@ -1343,6 +1347,8 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         raise TypeError(f"drive(run, path={path!r:.60}): expected a Path or Walk (from "
                         f"transition_paths, state_paths or transition_tour); as_data's steps "
                         f"are sent one by one, as docs/framework.md shows")
+    if not isinstance(run, (ChartRun, StatechartRun)):
+        raise TypeError(_not_a_run(run))
     chart = run.chart
     model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
@@ -1365,6 +1371,19 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
                                   _unheard(chart.declaration, outcomes)
                                   or _started_elsewhere(chart))
     return run.state
+
+
+def _not_a_run(run: object) -> str:
+    """What ``drive`` says of a ``run`` that is no compiled run: an instance of the chart (the
+    usual slip: python-statemachine's own object) is driven by ``as_data``'s steps."""
+    if isinstance(run, StateChart):
+        name = type(run).__name__
+        return (f"drive(run=<{name} instance>, path): expected a compiled run, "
+                f"compiled({name}).run(GuardTable.for_chart({name}, outcomes=path.start)); an "
+                f"instance of {name} is driven by sending as_data({name})'s steps, as "
+                f"docs/framework.md shows")
+    return (f"drive(run={run!r:.60}, path): expected a compiled run, "
+            f"compiled(Chart).run(GuardTable.for_chart(Chart, outcomes=path.start))")
 
 
 def _started_elsewhere(chart: CompiledChart) -> str | None:

@@ -285,6 +285,21 @@ def _protected(declaration: type[StateChart[Any]]) -> set[str]:
             "states", "_events", "states_map", "send"} | {s.id for s in declaration.states_map.values()}
 
 
+def _not_compiled(chart: object) -> str:
+    """What ``StatechartRun(chart, ...)`` says of a ``chart`` that is no ``CompiledChart``: the
+    chart class itself (the usual slip) is named with the call to make."""
+    if isinstance(chart, type) and issubclass(chart, StateChart):
+        return (f"StatechartRun(chart={chart.__name__}): expected its CompiledChart, "
+                f"StatechartRun(compiled({chart.__name__}), model) (or compiled({chart.__name__})"
+                f".run(model))")
+    if isinstance(chart, StateChart):
+        name = type(chart).__name__
+        return (f"StatechartRun(chart=<{name} instance>): expected the CompiledChart of its class, "
+                f"StatechartRun(compiled({name}), model)")
+    return (f"StatechartRun(chart={chart!r:.60}): expected a CompiledChart, "
+            f"StatechartRun(compiled(Chart), model)")
+
+
 class StatechartRun:
     """A run of any chart, following python-statemachine's semantics (module docstring).
 
@@ -297,6 +312,8 @@ class StatechartRun:
                  listeners: Iterable[object] = (), callbacks: bool = True, *,
                  skeleton_outcomes: Mapping[str, bool] | None = None,
                  **start_kwargs: object) -> None:
+        if not hasattr(chart, "refuse_runs"):  # (a CompiledChart: compiled imports this module)
+            raise TypeError(_not_compiled(chart))
         if callbacks:  # (a skeleton calls none: its chart's async callbacks do not matter)
             chart.refuse_runs()
         self.chart = chart
