@@ -1351,11 +1351,15 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         raise TypeError(_not_a_run(run))
     chart = run.chart
     model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
+    #: why a later step may be missed: the last step whose send took transitions on events no
+    #: step sent (the chart's own callbacks sent or raised them; paths run no callback)
+    strayed: str | None = None
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         model.outcomes = dict(outcomes)
         # (a ChartRun counts into its ``tally``: the chart's ``taken`` unless its owner's own)
         counted = run.tally if isinstance(run, ChartRun) else chart.taken
         before = counted[step.id]
+        counts = list(counted)
         try:
             run.send(step.event)
         except ChartTransitionError:
@@ -1369,8 +1373,34 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         if counted[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
                                   _unheard(chart.declaration, outcomes)
-                                  or _started_elsewhere(chart))
+                                  or strayed or _started_elsewhere(chart))
+        sent = _sent_by_the_chart(chart, step, counts, counted)
+        if sent:
+            strayed = (f"the send of step {number}, {_describe(step)}, also took "
+                       f"{'; '.join(_describe(t) for t in sent)}: an event no step sent, which "
+                       f"the chart's own callbacks sent or raised (self.send, self.raise_); "
+                       f"paths run no callback, so they do not follow it: drive this chart "
+                       f"with tests of your own, or send the event from outside the chart")
     return run.state
+
+
+def _sent_by_the_chart(chart: CompiledChart, step: Transition, before: Sequence[int],
+                       after: Sequence[int]) -> list[Transition]:
+    """The transitions the send of ``step`` took (their counts moved from ``before`` to
+    ``after``) on an event neither that send nor python-statemachine's macrostep raised
+    (``step``'s own event, eventless, ``done.state.*``, ``error.*``): events the chart's
+    callbacks sent or raised, which the paths did not foresee."""
+    moved = [t for t in chart.transitions if t.id < len(before) and after[t.id] != before[t.id]]
+    return [t for t in moved if t.event and not t.event.startswith(("done.state.", "error."))
+            and not _matches(t.event, step.event)]
+
+
+def _matches(descriptor: str, event: str) -> bool:
+    """Whether a transition on ``descriptor`` takes ``event`` (SCXML descriptors: ``door``
+    takes ``door.slam``, ``error.*`` and ``*`` what they name)."""
+    stem = descriptor.removesuffix(".*").removesuffix("*")
+    return (descriptor == event or not stem or event == stem
+            or event.startswith(stem if stem.endswith(".") else stem + "."))
 
 
 def _not_a_run(run: object) -> str:

@@ -19,6 +19,7 @@ from calexec.machines.compiled import compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, recording, report, track
 from calexec.machines.paths import (
     GuardTable,
+    PathNotFollowed,
     as_data,
     drive,
     transition_tour,
@@ -172,3 +173,35 @@ def test_values_of_the_wrong_type_name_their_argument() -> None:
     dot = diagrams.render_chart_dot(Kiosk, active_state=(s for s in ["paying"]))
     assert dot == diagrams.render_chart_dot(Kiosk, active_state="paying")
 
+
+class Doorbell(StateChart):
+    """An action sends an event itself (``self.send``), which the paths, running no callback,
+    do not foresee: ``ring`` leaves ``idle`` for ``chiming`` at once."""
+
+    idle = State(initial=True)
+    chiming = State()
+    quiet = State()
+
+    ring = idle.to(idle, internal=True, on="chime")
+    chime_now = idle.to(chiming)
+    hush = idle.to(quiet) | chiming.to(quiet)
+    wake = quiet.to(idle)
+
+    def chime(self) -> None:
+        self.send("chime_now")
+
+
+def test_drive_names_the_step_whose_callback_sent_an_event_the_path_did_not() -> None:
+    """A tour over ``Doorbell`` sends ``ring`` (idle -> idle, by the paths) and then an event
+    from ``idle``; the run went to ``chiming`` on the ``chime_now`` its action sent, and
+    ``drive`` said only ``was not taken: the run is in 'chiming' (a StateChart ignores a
+    refused event ...)``, the refusal of a later step with no word of the step that left the
+    path."""
+    walk = next(w for w in transition_tour(Doorbell)
+                if any(t.event == "ring" for t in w.steps[:-1]))
+    run = compiled(Doorbell).run(GuardTable.for_chart(Doorbell))
+    with pytest.raises(PathNotFollowed, match=r"the send of step \d+, idle --ring--> idle, also took "
+                       r"idle --chime_now--> chiming: an event no step sent, which the chart's "
+                       r"own callbacks sent or raised \(self.send, self.raise_\); paths run no "
+                       r"callback"):
+        drive(run, walk)
