@@ -232,6 +232,27 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     return Chart(name, target, declaration)
 
 
+#: a run expected to take longer than this is told of ``--sample`` before it starts
+LONG_RUN_S = 600.0
+
+
+def _plan(count: int, baseline_s: float, jobs: int, sampled: bool) -> str:
+    """The line ``charts mutate`` prints before its mutants run: how many, and about how long
+    at the unmutated run's time each on ``jobs`` workers; for a long run not sampled already,
+    the option that makes it shorter (a chart of 1,000 transitions has some 3,400 mutants:
+    many hours, where each mutant's line came only as it ended)."""
+    rounds = -(-count // max(jobs, 1))
+    seconds = rounds * baseline_s
+    took = (f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+            if seconds >= 60 else f"{seconds:.0f} s")
+    line = (f"charts mutate: {count} mutant(s) to run on {jobs} worker(s), about {took} at the "
+            f"unmutated run's {baseline_s:.1f} s each")
+    if seconds > LONG_RUN_S and not sampled:
+        line += ("; --sample N runs a deterministic sample of N of them (--kind, --mutant "
+                 "narrow it too)")
+    return line
+
+
 def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[Chart, mutants_mod.Mutant]]:
     chosen = []
     for chart in charts:
@@ -704,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
+        print(_plan(len(chosen), baseline_s, args.jobs, args.sample is not None),
+              file=sys.stderr)
         try:
             imported = set((scratch / "ack-baseline").read_text(
                 encoding="utf-8", errors="surrogateescape").splitlines())
