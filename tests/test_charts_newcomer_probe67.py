@@ -212,17 +212,17 @@ def test_mutate_says_how_many_mutants_run_and_about_how_long_before_they_do() ->
     and 1,000 transitions (3,400 mutants, 27 s a test run: some 13 hours on two workers)
     printed the unmutated run's line and then each mutant's as it ended, no word of the size
     of the run nor of ``--sample``; the line printed before the mutants run says both."""
-    from calexec.drivers.tools.charts_mutate import _plan
+    from calexec.drivers.tools.charts_mutate import mutation_plan
 
-    assert _plan(3400, 27.0, 2, sampled=False) == (
+    assert mutation_plan(3400, 27.0, 2, sampled=False) == (
         "charts mutate: 3400 mutant(s) to run on 2 worker(s), about 12.8 h at the unmutated "
         "run's 27.0 s each; --sample N runs a deterministic sample of N of them (--kind, "
         "--mutant narrow it too)")
-    assert _plan(3, 27.0, 2, sampled=True) == (
+    assert mutation_plan(3, 27.0, 2, sampled=True) == (
         "charts mutate: 3 mutant(s) to run on 2 worker(s), about 54 s at the unmutated run's "
         "27.0 s each")
-    assert _plan(400, 27.0, 2, sampled=True).endswith("about 1.5 h at the unmutated run's "
-                                                      "27.0 s each")  # sampled already
+    sampled = mutation_plan(400, 27.0, 2, sampled=True)  # sampled already: no hint
+    assert sampled.endswith("about 1.5 h at the unmutated run's 27.0 s each")
 
 
 def test_mutate_prints_the_plan_after_the_unmutated_run(tmp_path, capsys) -> None:

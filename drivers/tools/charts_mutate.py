@@ -236,7 +236,7 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
 LONG_RUN_S = 600.0
 
 
-def _plan(count: int, baseline_s: float, jobs: int, sampled: bool) -> str:
+def mutation_plan(count: int, baseline_s: float, jobs: int, sampled: bool) -> str:
     """The line ``charts mutate`` prints before its mutants run: how many, and about how long
     at the unmutated run's time each on ``jobs`` workers; for a long run not sampled already,
     the option that makes it shorter (a chart of 1,000 transitions has some 3,400 mutants:
@@ -725,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
-        print(_plan(len(chosen), baseline_s, args.jobs, args.sample is not None),
+        print(mutation_plan(len(chosen), baseline_s, args.jobs, args.sample is not None),
               file=sys.stderr)
         try:
             imported = set((scratch / "ack-baseline").read_text(
