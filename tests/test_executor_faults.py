@@ -16,6 +16,8 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Fault, Stage
 from calexec.drivers.synthetic import oracle
+from calexec.machines.compiled import JOB
+from calexec.machines.coverage import recording as recording_transitions
 from calexec.machines.pool import BufferSlot
 from executor_harness import (
     SEED,
@@ -237,7 +239,13 @@ def test_fi11_cancel_before_submit_never_reaches_device(calbin):
 def test_fi12_cancel_after_submit_still_waits_and_releases_after_completion(calbin):
     """FI12: Wait still happens (the emulator's own count of Wait calls, not a set the
     executor fills), the slot is released only after it, and the result is discarded: the
-    caller's ``logits_out`` is not written (§5.1-7: cancel stops delivery)."""
+    caller's ``logits_out`` is not written (§5.1-7: cancel stops delivery).
+
+    The job's own chart path is pinned too: Submitted --cancel--> CancelRequested
+    --wait_returned--> Failed, never Completing. The mutant that dropped the completion's
+    ``job.run.send(JOB_EV_CANCEL)`` after Wait (``Completion._complete``) passed this test
+    before (stop 67, trace audit): the job then ran Completing, its KV committed and its
+    output checked as a live job's, and only the ``deliver`` guard turned it back."""
     with running_executor(calbin, threads=False) as ex:
         stepped(ex)
         row = np.full(ex.generation.vocab_size, -7.0, np.float32)
@@ -251,7 +259,12 @@ def test_fi12_cancel_after_submit_still_waits_and_releases_after_completion(calb
         assert rc == 0
         assert ex.device.emu.fault_stats(Fault.WAIT_RC)[1] == waits_before  # not yet waited
         assert slot_states(ex)["InFlight"] == 1
-        assert ex.complete_one()
+        with recording_transitions([JOB]) as recorder:  # this job's completion only
+            assert ex.complete_one()
+        taken = {(t.source, t.event, t.target) for t in JOB.transitions
+                 if t.key in recorder.hits}
+        assert taken == {("Submitted", "cancel", "CancelRequested"),
+                         ("CancelRequested", "wait_returned", "Failed")}, taken
         res = handle.wait_until(deadline())
         assert isinstance(res, Status) and res.category == Category.CANCELLED
         assert handle.state == "Failed"
