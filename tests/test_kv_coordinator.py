@@ -9,9 +9,13 @@ import time
 
 import pytest
 
+from calexec.contracts.codes import CalrtCode, DeviceJobStatus
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.machines.chart_names import KV_EV_COMMIT, KV_EV_MARK_SUBMITTED
 from calexec.machines.clock import Clock
+from calexec.machines.compiled import GuardRejected
+from calexec.machines.job import Job
 from calexec.machines.kv import KvCoordinator, KvTxn
 from calexec.machines.locks import LockOrder
 
@@ -633,3 +637,44 @@ def test_a_wait_for_kv_woken_after_its_deadline_answers_kv_deadline_however_it_w
     assert (status.code, status.category, status.http_status) == (
         "kv.deadline", Category.RESOURCE_EXHAUSTED, 429), status
     assert "seq 2" in status.message and "before the deadline" in status.message
+
+
+class _Evidence:
+    """A job's three answers the KV commit guard reads (the real ``Job`` methods on them)."""
+
+    runtime_finished_cleanly = Job.runtime_finished_cleanly
+    output_validated = Job.output_validated
+
+    def __init__(self, wait_rc, device_status, output_status):
+        self.wait_rc, self.device_status, self.output_status = (wait_rc, device_status,
+                                                                output_status)
+
+
+_BAD_OUTPUT = Status.internal("output_short", Phase.OUTPUT_CHECK, "short")
+
+
+@pytest.mark.parametrize("wait_rc", [0, int(CalrtCode.TIMEOUT)])
+@pytest.mark.parametrize("device_status", [DeviceJobStatus.DONE,
+                                           DeviceJobStatus.DONE_CCU_EXCEPTION,
+                                           DeviceJobStatus.RUNNING])
+@pytest.mark.parametrize("output", ["valid", "invalid", "unchecked"])
+def test_the_kv_commit_needs_a_clean_wait_a_done_status_and_a_valid_output(
+        wait_rc, device_status, output):
+    """§5.1-6 / §7: the commit guard (``KvTxn.device_finished_and_output_valid``) asks all
+    three facts: Wait rc 0, GetStatus DONE, the output checked valid. Each mutant dropping
+    one of them (the ``runtime_finished_cleanly()`` half passed every test naming the row
+    before, stop 67 trace audit: the executor's own paths never validate an output after an
+    unclean Wait) commits where the spec says the KV stays uncommitted (Unknown)."""
+    output_status = {"valid": Status.OK, "invalid": _BAD_OUTPUT, "unchecked": None}[output]
+    txn = KvTxn(1, 0, 7, 0, 1)
+    txn.evidence = _Evidence(wait_rc, device_status, output_status)
+    txn.run.send(KV_EV_MARK_SUBMITTED)
+    clean = wait_rc == 0 and device_status == DeviceJobStatus.DONE and output == "valid"
+    assert txn.device_finished_and_output_valid() is clean
+    if clean:
+        txn.run.send(KV_EV_COMMIT)
+        assert txn.state == "Committed"
+    else:
+        with pytest.raises(GuardRejected):
+            txn.run.send(KV_EV_COMMIT)
+        assert txn.state == "Submitted"
