@@ -178,6 +178,10 @@ def test_fi05_submit_busy_rolls_back_without_wait(calbin):
         assert ex.kvc.seqs[1].committed_len == len(PROMPT) == device_len(ex, 1)
         assert ex.kvc.seqs[1].open_txn is None and ex.kvc.seqs[1].unknown_reason is None
         assert slot_states(ex)["Free"] == len(ex.pool.slots)
+        # the rollback gives the token budget and the in-flight permit back too (a mutant
+        # keeping the budget passed this test before: stop 67, trace audit)
+        snap = ex.snapshot()
+        assert snap["pending_tokens"] == 0 and snap["inflight"] == 0, snap
         res = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
         assert not isinstance(res, Status)
 
@@ -221,10 +225,15 @@ def stepped(ex):
 
 
 def test_fi11_cancel_before_submit_never_reaches_device(calbin):
+    """FI11: no device submit, and every resource released (spec: 无设备提交，资源释放): the
+    slot, the KV reservation, the token budget. The mutant that dropped the budget's release
+    from ``JobOutcomes.fail_before_submit`` passed this test before (stop 67, trace audit):
+    the queued job's tokens stayed counted against ``max_pending_tokens`` for ever."""
     with running_executor(calbin, threads=False) as ex:
         submitted = ex.device.emu.counters()["jobs_submitted"]
         handle = ex.enqueue(prefill(1, PROMPT))
         assert handle.state == "Queued" and slot_states(ex)["Leased"] == 1
+        assert ex.snapshot()["pending_tokens"] == len(PROMPT)  # (the control: it was taken)
         assert handle.cancel() and handle.cancel()  # idempotent
         assert ex.submit_one()
         res = handle.wait_until(deadline())
@@ -233,6 +242,8 @@ def test_fi11_cancel_before_submit_never_reaches_device(calbin):
         assert ex.device.emu.counters()["jobs_submitted"] == submitted
         assert slot_states(ex)["Free"] == len(ex.pool.slots)
         assert ex.kvc.seqs[1].reserved_len == 0 and ex.kvc.seqs[1].open_txn is None
+        snap = ex.snapshot()
+        assert snap["pending_tokens"] == 0 and snap["inflight"] == 0, snap
         assert not handle.cancel()  # already resolved
 
 
