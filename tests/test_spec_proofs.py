@@ -141,7 +141,11 @@ def test_no_executor_lock_is_held_at_a_runtime_call_nor_any_across_wait(calbin, 
     (``ex.locks.held_by_current_thread()``): none of admission/pool/submit/completion, and
     none at all but ``recovery_mu`` at ``Wait``. The row named the executor's own check,
     which ``Completion._complete`` runs before it calls ``Wait``: a ``Wait`` moved under
-    ``completion_mu`` passed every named test."""
+    ``completion_mu`` passed every named test. The buffers' ``MapBuf`` and ``destroy`` (a
+    generation's pool opened at start and recovery, its quarantined slots retired after the
+    reset) are checked too: a mutant destroying the retired slots' buffers inside
+    ``pool_mu`` (``BufferPool.retire_quarantined``) passed this test before (stop 67, trace
+    audit)."""
     holder: dict[str, DeviceExecutor] = {}
     bad: list[tuple[str, str, tuple[str, ...]]] = []
     seen: collections.Counter[str] = collections.Counter()
@@ -160,8 +164,8 @@ def test_no_executor_lock_is_held_at_a_runtime_call_nor_any_across_wait(calbin, 
         return before
 
     for cls, names in ((Device, ("infer", "infer_with_fixed_task_type")),
-                       (OutputBuf, ("wait", "get_status")),
-                       (InputBuf, ("set_csr", "slice", "undo_slice")),
+                       (OutputBuf, ("wait", "get_status", "map", "destroy")),
+                       (InputBuf, ("set_csr", "slice", "undo_slice", "map", "destroy")),
                        (KvManager, ("can_allocate", "apply"))):
         for name in names:
             wrap(monkeypatch, cls, name, check(f"{cls.__name__}.{name}"))
@@ -190,7 +194,8 @@ def test_no_executor_lock_is_held_at_a_runtime_call_nor_any_across_wait(calbin, 
         ex.shutdown(grace=5.0)
     for call in ("Device.infer", "OutputBuf.wait", "OutputBuf.get_status", "InputBuf.set_csr",
                  "InputBuf.slice", "InputBuf.undo_slice", "KvManager.can_allocate",
-                 "KvManager.apply"):
+                 "KvManager.apply", "InputBuf.map", "OutputBuf.map", "InputBuf.destroy",
+                 "OutputBuf.destroy"):
         assert seen[call] > 0, f"{call} never called: the check saw nothing"
     assert bad == [], bad[:5]
 
