@@ -379,3 +379,20 @@ def test_a_guess_never_takes_the_slot_a_woken_request_is_about_to_take(calbin):
     finally:
         clock.gate.set()
         ex.shutdown(grace=5.0)
+
+
+def test_the_execution_deadline_grows_with_the_jobs_tokens(calbin):
+    """§9.1: a job's execution deadline is ``execution_timeout_s`` plus
+    ``execution_timeout_per_token_s`` for each of its tokens (``Completion.
+    execution_deadline``), so a long prefill is not cut by the base alone. A 64-token prefill
+    at 20 ms a token (>= 1.28 s on the device) under a 0.05 s base and 0.1 s a token (6.45 s)
+    completes; the mutant dropping the per-token part cut it at 0.05 s and passed every test
+    the deadlines row named (stop 67, trace audit)."""
+    prompt = np.arange(1, 65, dtype=np.int32)
+    with running_executor(calbin, execution_timeout_s=0.05,
+                          execution_timeout_per_token_s=0.1) as ex:
+        assert ex.device.emu.set_latency(prefill_per_token_us=20_000) == 0
+        handle = ex.enqueue(prefill(1, prompt))
+        res = handle.wait_until(deadline())
+        assert isinstance(res, InferenceResult), res
+        assert handle.state == "Succeeded" and ex.snapshot()["generation"] == 1
