@@ -145,3 +145,35 @@ def test_fi06_submit_unavailable_stops_admission_while_the_recovery_runs(calbin,
             assert [again.argmax, result.argmax] == expected_greedy(PROMPT, 1)
         finally:
             gate.set()  # never leave the recovery parked (shutdown waits for it)
+
+
+def test_fi06_admission_is_stopped_before_the_recovery_begins(calbin):
+    """§8 DEVICE row, "new admission: stop at once": on a stepped executor (no recovery
+    thread: the test runs the pending recovery itself), a request sent after ``infer()``
+    answered DeviceUnavailable and before the recovery has begun is refused UNAVAILABLE and
+    never reaches the device. The mutant dropping ``admitting = False`` from
+    ``DeviceLifecycle.request_recovery`` passed every FI06 test before (stop 67, trace
+    audit): their recovery thread stopped admission itself before their next request came;
+    here the request was queued and submitted to the faulted generation."""
+    with running_executor(calbin, threads=False) as ex:
+        arm(ex, "SUBMIT_RC", rc=18)
+        failing = ex.enqueue(prefill(1, PROMPT))
+        assert ex.submit_one()
+        res = failing.wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 18 and res.category == Category.DEVICE
+        assert ex.life.recovery_pending and ex.state == "Ready"  # decided, not begun
+        submitted = ex.device.emu.counters()["jobs_submitted"]
+        late = ex.enqueue(prefill(2, PROMPT))
+        ex.submit_one()  # (a submitter step: nothing may reach the device)
+        refused = late.wait_until(deadline())
+        assert isinstance(refused, Status) and refused.category == Category.UNAVAILABLE, refused
+        assert refused.http_status == 503
+        assert ex.device.emu.counters()["jobs_submitted"] == submitted
+        assert ex.life.run_pending_recovery().ok
+        assert ex.state == "Ready" and ex.gen.id == 2
+        served = ex.enqueue(prefill(2, PROMPT))
+        while not served.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        result = served.wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        assert result.argmax == expected_greedy(PROMPT, 1)[0]
