@@ -569,8 +569,12 @@ class DecodeStream:
         """(For the executor.) Another request, reset or truncation of the sequence is
         coming (``DeviceExecutor._drop_armed``): the step fired ahead, not taken yet, is
         discarded (the caller's step is admitted again, after that request, as the plain
-        path runs it). Its handle, for the caller to cancel; None when there is none."""
+        path runs it), and so is the fault an arming of the next step met (``_arm_fault``):
+        that step too is admitted after the request, whose change of the sequence its plain
+        admission meets first (a KV check refuses it before any runtime call). Its handle,
+        for the caller to cancel; None when there is none."""
         with self.ex.dispatch.cv:
+            self._arm_fault = None
             ahead = self._take_ahead()
             if ahead is None:
                 return None

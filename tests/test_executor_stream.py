@@ -540,6 +540,40 @@ def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
 
 
+def test_a_request_on_the_sequence_after_a_failed_prearm_leaves_the_step_the_plain_answer(calbin):
+    """The stream's next arming met a runtime fault (its SetCsr refused), then another
+    request of the sequence came (here a new prefill): the step the fault was kept for is
+    admitted after that request, as ``release_armed_of`` has a released armed step admitted,
+    and answers what a plain request at that position answers
+    (``kv.past_len_beyond_committed``), nothing reported. Until stop 67's review it answered
+    the arming's ``calrt.csr_failed``, reported to the fault controller then, for a step
+    whose plain admission never reaches a CSR write (its KV check refuses it first)."""
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, 4)
+        assert stream.armed is not None
+        arm(ex, "UNKNOWN_CSR")  # the submitter's arming of the step after the next fails
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult), first
+        while ex.submit_one():
+            pass
+        assert fired(ex, "UNKNOWN_CSR") == 1 and stream.armed is None
+        assert not ex.faults.reports  # a guess: not yet
+        other = ex.enqueue(prefill(1, PROMPT[:3]))
+        while not other.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        result = other.wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        step = stream.step(first.argmax)  # at len(PROMPT) + 1: beyond the new committed 3
+        plain = ex.enqueue(decode(1, first.argmax, len(PROMPT) + 1))
+        while not plain.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        assert isinstance(step, Status), step
+        assert step.code == plain.wait_until(deadline()).code == "kv.past_len_beyond_committed"
+        assert not ex.faults.reports, ex.faults.reports
+        stream.close()
+        assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
+
+
 # ---- submit_nowait: the step an event loop takes without blocking (issue 28) --------------------
 
 def test_submit_nowait_takes_the_prearmed_job_and_tokens_match(calbin):
