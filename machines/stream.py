@@ -724,12 +724,17 @@ class DecodeStream:
         to be dropped as a missed guess and the step admitted again, which a fault that does
         not recur let through: no log line, no ``calexec_device_faults_total``, no rollback,
         and a 200 where the plain path answered 500 ``calrt.csr_failed``. None when the
-        generation it met is no longer the current one (a recovery or switch since): the
-        step is then admitted in the new one, as the plain path admits it."""
-        gen = self.ex.gen
-        if gen is None or fault.generation != gen.id:
+        generation it met is no longer the current one (a recovery or switch since) or is
+        being replaced, or admission is stopped (a recovery decided, a shutdown begun): the
+        step is then admitted the ordinary way, as the plain path admits it (which stops at
+        the lifecycle, before any runtime call: 503 while a recovery is decided and not
+        begun, where this answered the arming's 500)."""
+        ex = self.ex
+        gen = ex.gen
+        if (gen is None or fault.generation != gen.id or gen.closing
+                or not ex.life.admitting or ex.life.stopping):
             return None
-        self.ex.armed_step_failed(fault)
+        ex.armed_step_failed(fault)
         return self._close(fault)
 
     def _beyond_max_len(self, past: int) -> bool:

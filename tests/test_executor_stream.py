@@ -574,6 +574,41 @@ def test_a_request_on_the_sequence_after_a_failed_prearm_leaves_the_step_the_pla
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
 
 
+def test_a_step_whose_arming_faulted_asked_while_admission_is_stopped_answers_as_plain(calbin):
+    """The stream's next arming met a runtime fault (its SetCsr refused), then another job's
+    device fault stopped admission (a recovery decided, not begun: the generation is still
+    the current one). The step asked now answers what a plain request does then
+    (UNAVAILABLE, 503: its admission stops at the lifecycle before any runtime call), and
+    the arming's fault is not reported. Until stop 67's review it answered the arming's 500
+    ``calrt.csr_failed``: only a replaced generation was told apart."""
+    with running_executor(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, 4)
+        assert stream.armed is not None
+        arm(ex, "UNKNOWN_CSR")  # the submitter's arming of the step after the next fails
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult), first
+        while ex.submit_one():
+            pass
+        assert fired(ex, "UNKNOWN_CSR") == 1 and stream.armed is None
+        arm(ex, "SUBMIT_RC", rc=18)
+        failing = ex.enqueue(prefill(2, PROMPT))
+        while not failing.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        assert isinstance(failing.wait_until(deadline()), Status)
+        assert ex.life.recovery_pending and ex.gen.id == 1  # decided, not begun
+        reports = ex.faults.reported()
+        step = stream.step(first.argmax)
+        plain = ex.enqueue(decode(1, first.argmax, len(PROMPT) + 1))
+        ex.submit_one()
+        answer = plain.wait_until(deadline())
+        assert isinstance(step, Status) and isinstance(answer, Status), (step, answer)
+        assert (step.code, step.http_status) == (answer.code, answer.http_status)
+        assert step.category == Category.UNAVAILABLE, step
+        assert ex.faults.reported() == reports  # the arming's: not reported
+        stream.close()
+        assert ex.life.run_pending_recovery().ok
+
+
 # ---- submit_nowait: the step an event loop takes without blocking (issue 28) --------------------
 
 def test_submit_nowait_takes_the_prearmed_job_and_tokens_match(calbin):
