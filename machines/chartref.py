@@ -20,6 +20,7 @@ from typing import Any
 from statemachine import StateChart
 
 from calexec.machines.chart_support import named_targets, same_ids
+from calexec.machines.mutants import env_text
 
 
 class ChartRefError(ValueError):
@@ -45,6 +46,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                 else "expected the text 'MODULE:CLASS'")
         raise TypeError(f"load_chart(ref={ref!r:.60}): {kind} (e.g. 'order_workflow:OrderWorkflow')")
     module_name, sep, class_name = ref.partition(":")
+    # the class is an attribute, named in UTF-8 source: its name's UTF-8 bytes, whatever the
+    # locale decoded the argument as (under LC_ALL=C PYTHONUTF8=0 'pret:Pr\xeat' was
+    # "no attribute 'Pr\\udcc3\\udcaat'"); the module names a file, as the file system spells it
+    class_name = env_text(class_name)
+    if sep:
+        ref = f"{module_name}:{class_name}"
     if not sep or not module_name or not class_name:
         head, _, tail = ref.rpartition(".")
         as_python = not sep and tail.isidentifier() and all(
