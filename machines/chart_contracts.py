@@ -275,7 +275,10 @@ def enable_contracts(*charts: ChartLike, raise_on_violation: bool = True) -> Con
     """Check the declared contracts of ``charts`` on their compiled runs and on the
     python-statemachine instances of their classes created from now on, until the returned
     monitor's ``disable()``. Several monitors may be enabled at once (each hears every
-    violation). ``ValueError`` for a contract naming an unknown state or event."""
+    violation). ``ValueError`` for a contract naming an unknown state or event, and for a
+    chart that declares no contract (nothing of it would be checked: as the pytest option
+    ``--chart-contracts`` and the explorer's ``charts`` refuse it); no chart at all is a
+    monitor that checks nothing."""
     from calexec.machines.compiled import compiled
 
     for chart in charts:
@@ -283,13 +286,20 @@ def enable_contracts(*charts: ChartLike, raise_on_violation: bool = True) -> Con
             raise TypeError(f"enable_contracts({chart!r:.60}): give the chart classes as "
                             f"arguments, not in a {type(chart).__name__}: "
                             f"enable_contracts(*charts)")
+    # every chart checked before any is enabled: a refusal leaves nothing enabled
+    declared = [(shared, declared_contracts(shared)) for shared in map(compiled, charts)]
+    for shared, contracts in declared:
+        if not contracts:  # (enable_contracts(Lamp) of a Lamp with none silently checked nothing)
+            raise ValueError(f"enable_contracts({shared.name}): {shared.name} declares no "
+                             f"contracts, so none would be checked (declare them in the class "
+                             f"with @invariant, @precondition or @postcondition from "
+                             f"calexec.machines.chart_contracts, or leave it out)")
     monitor = ContractMonitor(raise_on_violation)
-    for chart in charts:
-        shared = compiled(chart)
+    for shared, contracts in declared:
         with _SETUP:
             checker = _CHECKERS.get(id(shared))
             if checker is None:
-                checker = _CHECKERS[id(shared)] = ContractChecker(shared, declared_contracts(shared))
+                checker = _CHECKERS[id(shared)] = ContractChecker(shared, contracts)
             checker.monitors += (monitor,)
             if len(checker.monitors) == 1:
                 _install(shared, checker)

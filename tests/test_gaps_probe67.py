@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+from statemachine import State, StateMachine
+
+from calexec.machines.chart_contracts import ContractViolation, enable_contracts, invariant
 from calexec.machines.chartref import load_chart
 
 PRET = '''
@@ -43,3 +47,44 @@ def test_charts_paths_of_a_non_ascii_class_runs_under_an_ascii_locale(tmp_path):
     err = done.stderr.decode("utf-8", "replace")
     assert done.returncode == 0, err
     assert b"perdre" in done.stdout, done.stdout
+
+
+class Bare(StateMachine):
+    """A chart that declares no contract."""
+
+    off = State(initial=True)
+    on = State()
+    flip = off.to(on) | on.to(off)
+
+
+class Checked(StateMachine):
+    """A chart whose invariant every run breaks on entering ``on``."""
+
+    off = State(initial=True)
+    on = State()
+    flip = off.to(on) | on.to(off)
+
+    @invariant("on")
+    def never_on(model: object) -> bool:
+        return False
+
+
+def test_enable_contracts_of_a_chart_declaring_none_is_refused_naming_it() -> None:
+    """``enable_contracts(Bare)`` of a chart with no contract returned a monitor that checked
+    nothing, silently (docs/framework.md "Contracts on a chart"); it is now a ``ValueError``
+    naming the chart, as ``--chart-contracts`` and the explorer's ``charts`` refuse it, and a
+    refusal leaves no chart given with it enabled."""
+    with pytest.raises(ValueError, match=r"^enable_contracts\(Bare\): Bare declares no "
+                                         r"contracts, so none would be checked \(declare them"):
+        enable_contracts(Bare)
+    with pytest.raises(ValueError, match="Bare declares no contracts"):
+        enable_contracts(Checked, Bare)
+    Checked().send("flip")  # (Checked was not enabled by the refused call: no violation)
+    monitor = enable_contracts()  # no chart: a monitor checking nothing, as the explorer asks
+    monitor.disable()
+    monitor = enable_contracts(Checked)  # the control: a chart with a contract is checked
+    try:
+        with pytest.raises(ContractViolation, match="never_on"):
+            Checked().send("flip")
+    finally:
+        monitor.disable()
