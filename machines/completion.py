@@ -48,7 +48,11 @@ from calexec.machines.dispatch import Dispatch
 from calexec.machines.job import InferenceResult, Job, advance, job_of
 from calexec.machines.locks import COMPLETION, LockOrder
 from calexec.machines.outcomes import JobOutcomes
-from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
+from calexec.machines.postprocess import (
+    bf16_all_finite,
+    bf16_first_nonfinite,
+    bf16_to_f32_into,
+)
 
 if TYPE_CHECKING:
     from calexec.machines.executor import ExecutorConfig
@@ -450,9 +454,10 @@ class Completion:
             argmax = fused.argmax
         else:
             src = host_output[base:base + count]
-            if not bf16_all_finite(src, scratch):
+            if not bf16_all_finite(src, scratch):  # (the message as the fused pass's)
                 return (Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                        f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                        f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                        f"at index {first + bf16_first_nonfinite(src)}",
                                         **job.ctx()), None)
             bf16_to_f32_into(host_output, base, count, dst)
             argmax = int(np.argmax(dst[:count]))

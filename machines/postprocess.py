@@ -46,6 +46,14 @@ def bf16_all_finite(src: np.ndarray, scratch: np.ndarray) -> bool:
     return src.shape[0] == 0 or int(view.max()) != 0x7F80
 
 
+def bf16_first_nonfinite(src: np.ndarray) -> int:
+    """The index of the first NaN or Inf of the BF16 (``uint16``) array ``src``, or -1: what
+    the fused native pass reports as ``first_nonfinite``, for the numpy path's message (a
+    failed job's path: it allocates)."""
+    found = np.flatnonzero((src & _EXP_MASK) == _EXP_MASK)
+    return int(found[0]) if found.shape[0] else -1
+
+
 def bf16_to_f32_into(src: np.ndarray, base: int, n: int, dst: np.ndarray) -> None:
     """Convert ``src[base:base+n]`` (BF16 bits as ``uint16``) into ``dst[:n]`` (``float32``).
 

@@ -7,11 +7,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from statemachine import State, StateMachine
 
+from calexec.contracts.status import Status
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.chart_contracts import ContractViolation, enable_contracts, invariant
 from calexec.machines.chartref import load_chart
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.faults import RecordingFaultSink
+from executor_harness import MANIFEST, arm, deadline, decode, fired, greedy, settle, write_calbin
 
 PRET = '''
 from statemachine import State, StateChart
@@ -88,3 +94,54 @@ def test_enable_contracts_of_a_chart_declaring_none_is_refused_naming_it() -> No
             Checked().send("flip")
     finally:
         monitor.disable()
+
+
+class _WithoutFusedPostprocess:
+    """``CalRT`` without its fused native logits postprocess: the runtime protocol's switch
+    (``logits_postprocessor`` is optional; a runtime without it gets the numpy path)."""
+
+    def __init__(self, runtime: CalRT) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name: str) -> object:
+        if name == "logits_postprocessor":
+            raise AttributeError(name)
+        return getattr(self._runtime, name)
+
+
+PROMPT = [11, 22, 33, 44, 55, 66, 77]
+
+
+def _fi10(calbin: str, runtime: object, point: str) -> Status:
+    ex = DeviceExecutor(runtime, MANIFEST, ExecutorConfig(calbin_path=calbin),  # type: ignore[arg-type]
+                        fault_sink=RecordingFaultSink())
+    assert ex.start().ok
+    try:
+        # (the switch took: a runtime without it, the numpy path)
+        assert (ex.completion.fused_logits is None) == isinstance(runtime, _WithoutFusedPostprocess)
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, point)
+        out = np.full(151936 + 64, 7.0, dtype=np.float32)
+        res = ex.enqueue(decode(1, 5, len(PROMPT)), logits_out=out).wait_until(deadline())
+        settle(ex)
+        assert fired(ex, point) == 1
+        assert np.all(out[151936:] == 7.0)  # no write past the slice
+        assert isinstance(res, Status), res
+        assert ex.kvc.seqs[1].unknown_reason == res.code
+        return res
+    finally:
+        ex.shutdown(grace=5.0)
+
+
+@pytest.mark.parametrize("point", ["OUTPUT_NAN", "OUTPUT_INF"])
+def test_fi10_on_the_numpy_path_fails_the_job_as_the_fused_pass_does(tmp_path, point):
+    """FI10 (spec §12) where the runtime offers no fused native postprocess: the executor's
+    numpy path. Dropping its ``bf16_all_finite`` check passed every FI10 test (they ran the
+    fused pass), and its message did not name the index the fused pass's names. The job now
+    fails ``internal.output_not_finite`` with the same message on both paths."""
+    calbin = write_calbin(tmp_path)
+    fused = _fi10(calbin, CalRT.load(), point)
+    numpy = _fi10(calbin, _WithoutFusedPostprocess(CalRT.load()), point)
+    assert numpy.code == fused.code == "internal.output_not_finite", (numpy, fused)
+    assert "at index" in fused.message
+    assert numpy.message == fused.message
