@@ -29,7 +29,7 @@ import re
 import threading
 import urllib.parse
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -276,13 +276,154 @@ class Structure:
     #: mask the grammar's is intersected with: every number finite as a double
     finite: str | None = None
 
+    #: ``grammar``'s matcher as built when it was checked, never advanced (None: built by
+    #: :meth:`start`); each generation starts from a copy of it (:func:`_copied`)
+    matcher: Any = None
+    #: ``finite``'s matcher, the same way
+    mirror: Any = None
+
     def start(self) -> Constraint:
-        from llguidance import LLMatcher
-        matcher = LLMatcher(self.tokenizer, self.grammar, log_level=0)
-        mirror = None if self.finite is None else LLMatcher(self.tokenizer, self.finite,
-                                                            log_level=0)
+        """A generation's constraint: copies of the matchers built once for the request (one
+        per choice of ``n``: a copy takes well under a millisecond, a build of a 2,000-branch
+        ``anyOf`` schema's grammar a second)."""
+        matcher = _copied(self.matcher) if self.matcher is not None \
+            else _build(self.tokenizer, self.grammar)
+        mirror = None
+        if self.finite is not None:
+            mirror = _copied(self.mirror) if self.mirror is not None \
+                else _build(self.tokenizer, self.finite)
         return Constraint(matcher, self.vocab, self.end_token, list(self.tokenizer.eos_tokens),
                           mirror)
+
+
+# ---- each grammar built once -------------------------------------------------------------------
+class Abandoned(Exception):
+    """The request compiling a grammar is gone (its timeout passed, its client left, the
+    server stops): raised by the compile's checkpoint (``check``) between two steps. A step
+    already started inside llguidance runs to its end (it has no way to stop one)."""
+
+
+def go_on() -> None:
+    """The checkpoint of a compile nobody abandons."""
+
+
+class Checkpoint:
+    """A compile's checkpoint (``check``): :meth:`stop` from any thread (the request's
+    timeout passed, it was cancelled), and its next call raises :class:`Abandoned`."""
+
+    def __init__(self) -> None:
+        #: set by :meth:`stop`
+        self.stopped = threading.Event()
+        self.why = ""
+
+    def stop(self, why: str) -> None:
+        if not self.stopped.is_set():
+            self.why = why
+            self.stopped.set()
+
+    def __call__(self) -> None:
+        if self.stopped.is_set():
+            raise Abandoned(self.why)
+
+
+#: build each grammar once and start every generation from a copy (False: the plain path,
+#: validated, built for the check, built again per generation; the differential test's other
+#: side, tests/test_grammar_reuse.py)
+REUSE_COMPILED = True
+#: how many compiled grammars (matchers never advanced) are kept across requests, and the
+#: most characters of serialized grammar they hold together (a proxy of their memory: a
+#: matcher's size grows with its grammar's); the least recently used goes first
+KEPT_MAX = 32
+KEPT_CHARS_MAX = 8 << 20
+#: guards :data:`_KEPT` and every copy of a kept matcher (a pristine matcher is only ever
+#: copied, under this lock, never advanced)
+_KEPT_MU = threading.Lock()
+_KEPT: OrderedDict[tuple[int, str, bool], tuple[Any, Any]] = OrderedDict()
+_kept_chars = 0
+
+
+def _build(tokenizer: Any, grammar: str) -> Any:
+    from llguidance import LLMatcher
+    return LLMatcher(tokenizer, grammar, log_level=0)
+
+
+def _copied(matcher: Any) -> Any:
+    with _KEPT_MU:
+        return matcher.deep_copy()
+
+
+def forget_compiled() -> None:
+    """Drop every kept grammar (tests: a compile from nothing)."""
+    global _kept_chars
+    with _KEPT_MU:
+        _KEPT.clear()
+        _kept_chars = 0
+
+
+def _kept(tokenizer: Any, grammar: str, checked: bool) -> Any:
+    with _KEPT_MU:
+        key = (id(tokenizer), grammar, checked)
+        hit = _KEPT.get(key)
+        if hit is None or hit[0] is not tokenizer:
+            return None
+        _KEPT.move_to_end(key)
+        return hit[1]
+
+
+def _keep(tokenizer: Any, grammar: str, checked: bool, matcher: Any) -> None:
+    global _kept_chars
+    if len(grammar) > KEPT_CHARS_MAX:
+        return
+    with _KEPT_MU:
+        key = (id(tokenizer), grammar, checked)
+        if key in _KEPT:
+            return
+        _KEPT[key] = (tokenizer, matcher)
+        _kept_chars += len(grammar)
+        while len(_KEPT) > KEPT_MAX or _kept_chars > KEPT_CHARS_MAX:
+            (_, gone, _), _ = _KEPT.popitem(last=False)
+            _kept_chars -= len(gone)
+
+
+def _matcher(grammar: str, tokenizer: Any, param: str, schema: Any = None,
+             check: Callable[[], None] = go_on, admits: bool = True) -> Any:
+    """``grammar``'s matcher, built once (kept across requests, :data:`KEPT_MAX`), never
+    advanced: :func:`_checked`'s refusal when llguidance cannot compile it, and with
+    ``admits`` :func:`_admits_a_value`'s. Until stop 67 the grammar was validated with the
+    tokenizer, built for the check that it admits a value, then built again for each choice
+    (a 2,000-branch ``anyOf`` schema: ~1 s each); now built once, its choices copies."""
+    check()
+    if not REUSE_COMPILED:  # the plain path: each step on its own, a matcher per generation
+        _checked(grammar, tokenizer, param, schema)
+        if admits:
+            _admits_a_value(grammar, tokenizer, param)
+        return None
+    hit = _kept(tokenizer, grammar, admits)
+    if hit is not None:
+        return hit
+    matcher = _build(tokenizer, grammar)
+    if matcher.is_error():  # the refusal validation words (its message, the keyword named)
+        _checked(grammar, tokenizer, param, schema)
+        return matcher  # (validated, yet no matcher: served as before, in its error state)
+    check()
+    if admits:
+        _admits_a_value(grammar, tokenizer, param, _copied(matcher))
+    _keep(tokenizer, grammar, admits, matcher)
+    return matcher
+
+
+def _mirror(grammar: str, tokenizer: Any, check: Callable[[], None]) -> Any:
+    """The finite mirror's matcher (not validated: built as :meth:`Structure.start` built it)."""
+    check()
+    if not REUSE_COMPILED:
+        return None
+    hit = _kept(tokenizer, grammar, False)
+    if hit is not None:
+        return hit
+    matcher = _build(tokenizer, grammar)
+    if not matcher.is_error():
+        _keep(tokenizer, grammar, False, matcher)
+    return matcher
 
 
 @attrs.frozen
@@ -1049,14 +1190,15 @@ def _integer_bounds(schema: Any, param: str) -> None:
                                               "below 2^63 a double holds), or leave it out")
 
 
-def _admits_a_value(grammar: str, tokenizer: Any, param: str) -> str:
+def _admits_a_value(grammar: str, tokenizer: Any, param: str, matcher: Any = None) -> str:
     """Refuse a schema whose grammar can only end at once (a ``$ref`` that refers only to
     itself, or to a cycle of such): no JSON value satisfies it, and llguidance's first mask
     allows only its end token, so the answer was empty text with ``finish_reason: stop``, as
     if all went well (with tools, the answer left out and the model sent to call one)."""
     from llguidance import LLMatcher
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher is None:
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_accepting() or matcher.is_error():
         return grammar
     bits = allocate_token_bitmask(1, tokenizer.vocab_size)
@@ -1402,9 +1544,11 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
     return closed_schema(schema), bool(strict)
 
 
-def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_token: int
-                         ) -> Structure | None:
-    """The grammar of a request's ``response_format`` (None: free text)."""
+def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_token: int,
+                         check: Callable[[], None] = go_on) -> Structure | None:
+    """The grammar of a request's ``response_format`` (None: free text). ``check`` is called
+    between the compile's steps (:class:`Abandoned`: the request is gone, stop there)."""
+    check()
     asked = response_format_schema(response_format)
     if asked is None:
         return None
@@ -1414,9 +1558,12 @@ def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_t
              else "response_format")
     ll = ll_tokenizer(tok, vocab, end_token, "response_format",
                       f"{response_format.get('type')}")
-    grammar = _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param,
-                                       schema), ll, param)
-    return Structure(grammar, ll, vocab, end_token, finite=_finite_mirror(["start: fvalue"]))
+    check()
+    grammar = _schema_grammar(schema, param, strict)
+    matcher = _matcher(grammar, ll, param, schema, check)
+    finite = _finite_mirror(["start: fvalue"])
+    return Structure(grammar, ll, vocab, end_token, finite=finite, matcher=matcher,
+                     mirror=_mirror(finite, ll, check))
 
 
 def _finite_mirror(lines: list[str]) -> str:
@@ -1555,33 +1702,37 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: bool | None,
-                   tok: Tokenizer, vocab: int, end_token: int) -> Structure | None:
+                   tok: Tokenizer, vocab: int, end_token: int,
+                   check: Callable[[], None] = go_on) -> Structure | None:
     """The grammar of a chat request: its tools (``setup``) and ``response_format``. With
     ``tool_choice`` "required" the output is one or more calls (one when
     ``parallel_tool_calls`` is false), with a named function one call of that function (as
     vLLM, whatever ``parallel_tool_calls`` says); with "auto" free
     text without a call, or text then calls (every call follows its schema: a call can only
     be written as one), or with ``response_format`` its JSON answer or calls; no tools: the
-    ``response_format`` alone (None: free text)."""
+    ``response_format`` alone (None: free text). ``check``: as :func:`completion_structure`'s."""
     if not setup.tools:
-        return completion_structure(response_format, tok, vocab, end_token)
+        return completion_structure(response_format, tok, vocab, end_token, check)
     _need_llguidance("tools", f"tool_choice={shown(setup.choice)}")
     asked = response_format_schema(response_format)
     ll = ll_tokenizer(tok, vocab, end_token, "tools", f"tool_choice={shown(setup.choice)}")
-    arguments: dict[str, str] = {}
+    arguments: dict[str, tuple[str, Any]] = {}
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
         parameters = dict(tool.parameters)
-        arguments[tool.name] = _admits_a_value(_checked(_schema_grammar(
-            parameters, param, tool.strict), ll, param, parameters), ll, param)
+        check()
+        grammar = _schema_grammar(parameters, param, tool.strict)
+        arguments[tool.name] = (grammar, _matcher(grammar, ll, param, parameters, check))
     tools = [t for t in setup.tools if not setup.named or t.name == setup.choice]
     if setup.named:
         # as vLLM: the output is the named function's arguments alone (one JSON value), the
         # call around them the response's (ToolCallStream's ``named``); the <tool_call>
         # markup and the name, generated, took max_tokens a tight budget needed for the
         # arguments: a call vLLM completes ("stop") ended "length", its markup the content
-        return Structure(arguments[setup.choice], ll, vocab, end_token, tuple(tools),
-                         setup.choice, True, _finite_mirror(["start: fvalue"]))
+        finite = _finite_mirror(["start: fvalue"])
+        grammar, matcher = arguments[setup.choice]
+        return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice, True,
+                         finite, matcher, _mirror(finite, ll, check))
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     mirror = lines + [f"fn{i}: fvalue" for i in range(len(tools))]
@@ -1608,8 +1759,8 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
             param = ("response_format.json_schema.schema"
                      if response_format["type"] == "json_schema" else "response_format")
             # checked on its own, as without tools (it is written into the grammar below)
-            _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param,
-                                     schema), ll, param)
+            check()
+            _matcher(_schema_grammar(schema, param, strict), ll, param, schema, check)
             lines.append("answer: %json " + json.dumps(
                 {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
             lines.append("start: answer | calls")
@@ -1618,9 +1769,12 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
         lines.append("start: calls")
         mirror.append("start: calls")
     from llguidance import LLMatcher
-    grammar = _checked(LLMatcher.grammar_from_lark("\n".join(lines)), ll, "tools")
+    check()
+    grammar = LLMatcher.grammar_from_lark("\n".join(lines))
+    matcher = _matcher(grammar, ll, "tools", check=check, admits=False)
+    finite = _finite_mirror(mirror)
     return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice, setup.named,
-                     _finite_mirror(mirror))
+                     finite, matcher, _mirror(finite, ll, check))
 
 
 # ---- tool calls in the output ---------------------------------------------------------------

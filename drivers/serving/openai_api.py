@@ -1430,7 +1430,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
     compiles = anyio.CapacityLimiter(GRAMMAR_THREADS)
     compile_threads = anyio.CapacityLimiter(GRAMMAR_THREADS)
 
-    async def compiled(timeout: float | None, build: Callable[..., Any], *args: Any) -> Any:
+    async def compiled(request: Request, timeout: float | None, build: Callable[..., Any],
+                       *args: Any) -> Any:
         """:func:`structure` in a worker thread, for a request that asks for a grammar: a
         schema's checks and llguidance's compile take seconds for a large one (a
         ``json_schema`` of 2,000 ``anyOf`` branches, 170 KB: 12 s), which on the event loop
@@ -1439,6 +1440,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         body's, or the server's ``--timeout``): then a 504 naming it (it waited with no
         bound, whatever timeout it gave, while others' large grammars compiled)."""
         told = config.default_timeout_s if timeout is None else timeout
+        deadline = anyio.current_time() + min(told, config.max_timeout_s)
         with anyio.move_on_after(min(told, config.max_timeout_s)) as waiting:
             await compiles.acquire()
         if waiting.cancelled_caught:
@@ -1447,15 +1449,54 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 f"{GRAMMAR_THREADS} grammar compile threads (each compiling another request's "
                 "response_format or tools); the request ended there: give a larger timeout "
                 "or send it again later")), "timeout")
+        # the compile stops at its next step once the request's timeout passes, its client
+        # disconnects or it is cancelled (grammar.Checkpoint): an abandoned compile held its
+        # thread to its end, and two of them every other grammar request. A step inside
+        # llguidance (one build of a large grammar) still runs to its end: it cannot stop.
+        check = grammar.Checkpoint()
+        outcome: list[Any] = []
+
+        async def work() -> None:
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(_stop_at, deadline, check)
+                try:
+                    outcome.append(await anyio.to_thread.run_sync(
+                        functools.partial(structure, build, *args, check=check),
+                        limiter=compile_threads))
+                except Exception as err:  # noqa: BLE001 - raised below as it is (no group)
+                    outcome.append(err)
+                finally:
+                    watch.cancel_scope.cancel()
         try:
-            return await anyio.to_thread.run_sync(functools.partial(structure, build, *args),
-                                                  limiter=compile_threads)
+            await wire.until_disconnect(request, work)
         finally:
             compiles.release()
+        if not outcome or isinstance(outcome[0], grammar.Abandoned) and check.why != "timeout":
+            raise Refusal(Status.cancelled(Phase.CANCEL, (
+                "client disconnected while the request's grammar compiled; the compile "
+                "stopped there")), None)
+        done = outcome[0]
+        if isinstance(done, Exception) and not isinstance(done, grammar.Abandoned):
+            raise done
+        if isinstance(done, grammar.Abandoned):
+            raise Refusal(Status.deadline(Phase.ADMISSION, (
+                f"request timeout={told:g} s passed while its grammar compiled (its "
+                "response_format or tools); the request ended there: give a larger timeout "
+                "or a smaller schema")), "timeout")
+        return done
 
-    def structure(build: Callable[..., Any], *args: Any) -> Any:
+    async def _stop_at(deadline: float, check: grammar.Checkpoint) -> None:
+        try:
+            await anyio.sleep_until(deadline)
+            check.stop("timeout")
+        finally:  # (also when the request is cancelled: its compile stops too)
+            check.stop("cancelled")
+
+    def structure(build: Callable[..., Any], *args: Any,
+                  check: Callable[[], None] = grammar.go_on) -> Any:
         """A grammar.* builder's result for this server's tokenizer and vocabulary
-        (``tool_setup``: no model needed); its GrammarError is the 400 naming the field."""
+        (``tool_setup``: no model needed); its GrammarError is the 400 naming the field;
+        ``check`` is the compile's checkpoint (grammar.Abandoned: returned, not raised)."""
         service = owner.service
         try:
             if build is grammar.tool_setup:
@@ -1467,7 +1508,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                     return None
                 raise Refusal(Status.unavailable(Phase.ADMISSION, "device lifecycle is "
                                                  f"{service.executor.state}"), None)
-            return build(*args, service.tokenizer, n, config.end_token_id)
+            return build(*args, service.tokenizer, n, config.end_token_id, check)
+        except grammar.Abandoned as gone:
+            return gone
         except grammar.GrammarError as err:
             raise Refusal(invalid(str(err)), err.param) from None
 
@@ -1513,7 +1556,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             rows = prompt_rows(body)
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
             shaped = (None if body.response_format is None
-                      else await compiled(body.timeout, grammar.completion_structure,
+                      else await compiled(request, body.timeout, grammar.completion_structure,
                                            body.response_format))
             if shaped is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=shaped)
@@ -1591,7 +1634,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             given = (grammar.chat_structure, body.response_format, tools,
                      body.parallel_tool_calls)
             plan = (structure(*given) if body.response_format is None and not body.tools
-                    else await compiled(body.timeout, *given))
+                    else await compiled(request, body.timeout, *given))
             if plan is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=plan)
             ids = chat_prompt(body, tools)
