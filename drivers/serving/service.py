@@ -1028,7 +1028,12 @@ class CompletionService:
             if run.scheduled_at is None:
                 run.scheduled_at = time.monotonic()
         moved = self._generation_moved(run)
-        if moved is not None:
+        if moved is not None and run.burst_task is None:
+            # (a streamed burst under way is waited for first, below: its tokens and its own
+            # failed step are the request's before a replacement is; its step's fault, e.g. a
+            # pre-armed step's refused CSR write, sets off the recovery that replaces the
+            # generation, and taken for a replacement it was resumed past: a re-prefill, one
+            # more token, then the fault, where the plain path answers the fault at once)
             # (past the drain's grace the shutdown ended the generation: nothing to resume)
             if not self.grace_over and await self.resumer.resume(run, moved, replaced=True):
                 return await self.advance(run)  # recursion bounded by max_resumes
