@@ -55,15 +55,18 @@ class RecoveryFirst(DeviceExecutor):
     fault set off came before the loop's next step, the order a loaded host sometimes gave."""
 
     waited = False
+    first: int | None = None  # the generation the loop saw first (the request's)
 
     @property
     def generation(self):
         current = DeviceExecutor.generation.fget(self)
-        if (not self.waited and current is not None
-                and threading.current_thread().name == "uvicorn-serve"
-                and self.device.emu.fault_stats(Fault.UNKNOWN_CSR)[1] >= 4):
-            self.waited = True
-            first = current.generation_id
+        if threading.current_thread().name != "uvicorn-serve":
+            return current
+        if self.first is None and current is not None:
+            self.first = current.generation_id
+        first = self.first
+        if not self.waited and self.device.emu.fault_stats(Fault.UNKNOWN_CSR)[1] >= 4:
+            self.waited = True  # (the recovery may have replaced it already: then no wait)
 
             def replaced() -> bool:
                 now = DeviceExecutor.generation.fget(self)
