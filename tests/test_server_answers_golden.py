@@ -2,9 +2,10 @@
 chat, streamed and not, n > 1, logprobs, stop strings, structured outputs, and every refusal
 kind: bad JSON, a bad field, 404, 405, 413, 415, 429 and 503 with Retry-After, CORS) sent over
 loopback HTTP to a live server; each answer's status, the headers a client reads and its body
-(ids and timestamps masked) must equal ``tests/data/answers63/answers.json``, recorded from the
-server before the per-request CPU trims of stop 63 (docs/benchmarks.md, "Measured (2026-12-06,
-stop 63)"). A trim that changes any answer fails here.
+(ids, timestamps and the system fingerprint masked) must equal
+``tests/data/answers63/answers.json``, recorded from the server before the per-request CPU
+trims of stop 63 (docs/benchmarks.md, "Measured (2026-12-06, stop 63)"; re-recorded at stop
+68 for ``system_fingerprint`` alone). A trim that changes any answer fails here.
 
 ``CALEXEC_RECORD_ANSWERS=1`` rewrites the file from the code under test (only to pin a
 deliberate change of an answer; say why in the commit)."""
@@ -35,6 +36,8 @@ HEADERS = ("content-type", "content-length", "transfer-encoding", "connection",
 #: server-made ids (``cmpl-<hex>``, ``chatcmpl-<hex>``) and times in a body
 _IDS = re.compile(r"\b((?:chat)?cmpl|req|resp)-[0-9a-f]{16,}")
 _CREATED = re.compile(r'"created":\s*\d+')
+#: ``system_fingerprint`` (stop 68): of the calexec version too, which no answer pins
+_FINGERPRINT = re.compile(r'"system_fingerprint":\s*"fp_[0-9a-f]{10}"')
 
 COMPLETION = {"model": MODEL, "prompt": [5, 7, 9], "max_tokens": 8, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
@@ -125,7 +128,8 @@ RACES_ITS_BODY = ("503 completion while draining",)
 
 
 def _masked(body: str) -> str:
-    return _CREATED.sub('"created": 0', _IDS.sub(r"\1-ID", body))
+    masked = _CREATED.sub('"created": 0', _IDS.sub(r"\1-ID", body))
+    return _FINGERPRINT.sub('"system_fingerprint": "fp_FINGERPRINT"', masked)
 
 
 def _answer(port: int, method: str, path: str, body: bytes | None,

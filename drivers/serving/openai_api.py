@@ -2333,7 +2333,8 @@ class _CompletionShape(_Shape):
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion",
-                "created": self.created, "model": self.service.config.model_name}
+                "created": self.created, "model": self.service.config.model_name,
+                "system_fingerprint": self.service.system_fingerprint}
 
     def _choice(self, text: str, tokens: list[int], run: RequestRun, finish: str | None,
                 infos: list[TokenLogprobs] | None) -> dict[str, Any]:
@@ -2397,7 +2398,8 @@ class _ChatShape(_Shape):
     def _head(self, chunk: bool = False) -> dict[str, Any]:
         return {"id": self.id,
                 "object": "chat.completion.chunk" if chunk else "chat.completion",
-                "created": self.created, "model": self.service.config.model_name}
+                "created": self.created, "model": self.service.config.model_name,
+                "system_fingerprint": self.service.system_fingerprint}
 
     def _logprobs(self, run: RequestRun, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
         return None if run.sampling.logprobs is None else chat_logprobs(self.tok, infos)

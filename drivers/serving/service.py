@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import contextlib
 import contextvars
+import hashlib
 import itertools
 import logging
 import math
@@ -47,6 +48,7 @@ import attrs
 import numpy as np
 from anyio import to_thread
 
+from calexec import __version__
 from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
@@ -749,6 +751,16 @@ def _set_event() -> threading.Event:
     return event
 
 
+def system_fingerprint(version: str, calbin_sha256: str, tokenizer: str,
+                       chat_template: str | None) -> str:
+    """``fp_`` and 10 hex digits of the sha256 of what changes the answers of a server (OpenAI's
+    ``system_fingerprint``: a client tells backend configurations apart by it): the calexec
+    ``version``, the served calbin's ``calbin_sha256`` (the model), the ``tokenizer`` (its
+    name: ``byte-level`` or the tokenizer.json path) and its ``chat_template``."""
+    parts = (version, calbin_sha256, tokenizer, "" if chat_template is None else chat_template)
+    return "fp_" + hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:10]
+
+
 class CompletionService:
     """Completions, drain and live-job bookkeeping around one executor."""
 
@@ -829,6 +841,8 @@ class CompletionService:
         #: by whichever thread observes a job
         self._device_waits = WindowMedian(_DEVICE_WINDOW)
         self._contracts = executor.generation  # validation while the generation is replaced
+        #: (calbin sha256, its :func:`system_fingerprint`): hashed once per calbin served
+        self._fingerprint: tuple[str, str] | None = None
 
     def _metrics_snapshot(self) -> dict[str, Any]:
         """``executor.snapshot()`` with its ``recoveries`` split: the executor counts a model
@@ -877,6 +891,21 @@ class CompletionService:
         it will be served; None only before any generation)."""
         self._contracts = self.executor.generation or self._contracts
         return self._contracts
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's ``system_fingerprint`` of the answers served now: :func:`system_fingerprint`
+        of this calexec, the calbin of :attr:`contracts` and the tokenizer (None before any
+        generation). It changes when ``/admin/reload`` switches to another calbin."""
+        contracts = self.contracts
+        if contracts is None:
+            return None
+        cached = self._fingerprint
+        if cached is None or cached[0] != contracts.calbin_sha256:
+            cached = self._fingerprint = (contracts.calbin_sha256, system_fingerprint(
+                __version__, contracts.calbin_sha256, self.tokenizer.name,
+                self.tokenizer.chat_template))
+        return cached[1]
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""

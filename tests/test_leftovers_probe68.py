@@ -1,0 +1,84 @@
+"""Known defects left by earlier stops, fixed at stop 68 (docs/traceability.md, "Found at stop
+68 (leftovers)")."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from calexec import __version__
+from test_server_support import oracle_tokens, started_executor
+
+TOKEN = "leftovers68-admin-token"
+FINGERPRINT = re.compile(r"fp_[0-9a-f]{10}\Z")
+
+
+def test_system_fingerprint_names_the_served_calbin_and_changes_with_a_reload(tmp_path):
+    """``system_fingerprint`` was absent from every completion and chat answer and chunk (the
+    OpenAI SDK read None), so a client could not tell two backend configurations apart. Now
+    it is ``fp_`` and 10 hex digits of the calexec version, the calbin's sha256 and the
+    tokenizer: the same in every answer and chunk of one configuration, another after
+    ``/admin/reload`` switched to another calbin."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.serving.service import system_fingerprint
+    from calexec.drivers.synthetic import calbin as cb
+
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        first = system_fingerprint(__version__, executor.generation.calbin_sha256,
+                                   "byte-level", None)
+        other_seed = cb.DEFAULT_SEED ^ 0x68
+        other = tmp_path / "other.calbin"
+        other_sha = cb.write(str(other), cb.default_spec(seed=other_seed))
+        executor.goldens[other_sha] = tuple(oracle_tokens(
+            list(executor.config.golden_tokens), executor.config.golden_decode_steps + 1,
+            other_seed))
+
+        def fingerprints(client) -> set[str | None]:
+            seen = set()
+            for path, body in (("/v1/completions", {"prompt": [5, 6], "max_tokens": 3}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 3})):
+                seen.add(client.post(path, json=body).json().get("system_fingerprint"))
+                r = client.post(path, json={**body, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+                chunks = [line[len("data: "):] for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                assert len(chunks) >= 3, r.text
+                seen.update(json.loads(chunk).get("system_fingerprint") for chunk in chunks)
+            return seen
+
+        with TestClient(app) as client:
+            assert fingerprints(client) == {first}
+            assert FINGERPRINT.match(first)
+            r = client.post("/admin/reload", json={"calbin": str(other)},
+                            headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 200, r.text
+            second = system_fingerprint(__version__, other_sha, "byte-level", None)
+            assert second != first and FINGERPRINT.match(second)
+            assert fingerprints(client) == {second}
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("changed", ["version", "calbin", "tokenizer", "template"])
+def test_system_fingerprint_changes_with_each_thing_that_changes_answers(changed):
+    from calexec.drivers.serving.service import system_fingerprint
+
+    base = {"version": "0.1.0", "calbin": "a" * 64, "tokenizer": "byte-level",
+            "template": None}
+    other = {**base, changed: {"version": "0.1.1", "calbin": "b" * 64,
+                               "tokenizer": "/m/tokenizer.json", "template": "{{ x }}"}[changed]}
+
+    def fp(parts):
+        return system_fingerprint(parts["version"], parts["calbin"], parts["tokenizer"],
+                                  parts["template"])
+
+    assert fp(base) == fp(dict(base)) and fp(base) != fp(other)
+
