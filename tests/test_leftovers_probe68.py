@@ -9,7 +9,13 @@ import re
 import pytest
 
 from calexec import __version__
-from test_server_support import oracle_tokens, started_executor
+from test_server_support import (
+    oracle_tokens,
+    send_raw,
+    serve_like_fixture,  # noqa: F401 - the fixture ``serve_like``
+    split_head,
+    started_executor,
+)
 
 TOKEN = "leftovers68-admin-token"
 FINGERPRINT = re.compile(r"fp_[0-9a-f]{10}\Z")
@@ -82,3 +88,32 @@ def test_system_fingerprint_changes_with_each_thing_that_changes_answers(changed
 
     assert fp(base) == fp(dict(base)) and fp(base) != fp(other)
 
+
+@pytest.mark.parametrize(("line", "named"), [
+    (b"NoColonHere", 'Invalid header token at header field line 3 ("NoColonHere", no colon: '
+                     'a field line is name: value)'),
+    (b"Authorization Bearer sk-secret-token-123456789",
+     'Invalid header token at header field line 3 ("Authorization", no colon: a field line '
+     'is name: value)'),
+    (b"Bad Name: v", 'Invalid header token at header field line 3 ("Bad Name: ...")'),
+    (b"X-A: a\x01secret", 'Invalid header value char at header field line 3 ("X-A: ...")'),
+    (b"X-\xe9: v", 'Invalid header token at header field line 3 ("X-\\u00e9: ...")'),
+    (b"X-" + b"n" * 100 + b" y",
+     'Invalid header token at header field line 3 ("X-' + "n" * 38 + '...", no colon: a '
+     'field line is name: value)'),
+], ids=["no-colon", "credential", "space-in-name", "control-in-value", "latin-1", "long"])
+def test_a_malformed_header_line_is_named_in_the_400(serve_like, line, named):
+    """``POST /v1/completions`` with a header block holding a malformed line was refused
+    ``Invalid HTTP request received: Invalid header token.``, the parser's reason alone: a
+    client sending a dozen fields could not tell which one was wrong. The 400 now names the
+    line (counted from the one after the request line) and its name up to the colon, at most
+    40 characters, JSON-escaped; never a value, which may be a credential."""
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Ok: 1\r\n" + line
+           + b"\r\nContent-Length: 2\r\n\r\n{}")
+    data, how = send_raw(serve_like.port, raw, timeout=30)
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400") and how == "eof", (how, data[:300])
+    error = json.loads(rest[:int(headers["content-length"])])["error"]
+    assert error["code"] == "request.malformed_http"
+    assert error["message"] == f"Invalid HTTP request received: {named}.", error
+    assert b"secret" not in rest

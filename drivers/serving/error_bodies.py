@@ -213,6 +213,65 @@ def framing_refused(parser_error: str, transfer_encodings: list[str]) -> str | N
     return f"{why} (the HTTP parser: {said[:120]})"
 
 
+#: the parser's reasons (llhttp's) that are about a header field line: the refusal names the
+#: line (``field_line_refused``)
+_FIELD_REASONS = ("header", "content-length")
+#: how many characters of a refused field line's name are shown (never its value)
+FIELD_SHOWN_CHARS = 40
+
+
+#: a field line as RFC 9110 section 5 writes it: a token, a colon, a value of visible
+#: characters, spaces and tabs (obs-text allowed), no leading whitespace (an obs-fold)
+_FIELD_LINE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\Z")
+
+
+def field_line_refused(parser_error: str, data: bytes, url: bytes, fields: int) -> str | None:
+    """Where in a request head the field line the HTTP parser refused (``parser_error``:
+    "Invalid header token", "Invalid header value char", "Duplicate Content-Length", ...)
+    is: `` at header field line N ("name: ...")``, N counted from the line after the request
+    line; None when the error is about something else or the head is not in ``data`` (it
+    came in several reads). ``data`` holds what the connection received; ``url`` the target
+    of the request being parsed; ``fields`` the field lines the parser delivered before it
+    stopped (the line after them, when no line is malformed by itself). The line is the
+    first that is no ``name: value`` line, else (a Content-Length refused) the last
+    Content-Length line. Shown: its name up to the colon, or, a line without one, up to its
+    first space (at most :data:`FIELD_SHOWN_CHARS` characters, escaped as JSON writes them);
+    never a value, which may be a credential. Until stop 68 the 400 said only the parser's
+    reason, so a client sending many fields could not tell which line was wrong."""
+    said = parser_error.lower()
+    if not url or not any(reason in said for reason in _FIELD_REASONS):
+        return None
+    at = data.rfind(b" " + url + b" HTTP/")
+    if at < 0:
+        return None
+    lines = []
+    for line in data[data.rfind(b"\n", 0, at) + 1:].split(b"\n")[1:]:
+        line = line.removesuffix(b"\r")
+        if not line:
+            break
+        lines.append(line)
+    bad = next((i for i, line in enumerate(lines) if not _FIELD_LINE.match(line)), None)
+    if bad is None and "content-length" in said:
+        bad = next((i for i in reversed(range(len(lines)))
+                    if lines[i].lower().startswith(b"content-length:")), None)
+    if bad is None and fields < len(lines):
+        bad = fields
+    if bad is None:
+        return None
+    if lines[bad][:1] in (b" ", b"\t"):
+        return (f" at header field line {bad + 1} (it begins with a space or tab: an obs-fold "
+                "continuation of the line before, which RFC 9112 section 5.2 lets a server "
+                "refuse: write the value on one line)")
+    name, colon, _ = lines[bad].partition(b":")
+    if not colon:
+        name = lines[bad].split(None, 1)[0] if lines[bad].strip() else b""
+    text = name.decode("latin-1")
+    cut = text[:FIELD_SHOWN_CHARS] + ("..." if len(text) > FIELD_SHOWN_CHARS else "")
+    what = (json.dumps(cut + ": ...") if colon
+            else f"{json.dumps(cut)}, no colon: a field line is name: value")
+    return f" at header field line {bad + 1} ({what})"
+
+
 #: a Transfer-Encoding field line in a request's bytes (its value, up to the line's end)
 _TE_LINE = re.compile(rb"(?:^|\n)transfer-encoding:([^\r\n]*)", re.IGNORECASE)
 

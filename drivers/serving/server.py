@@ -640,6 +640,10 @@ def abortable(protocol: type) -> type:
                     if said == "User callback error":  # (one of uvicorn's callbacks raised:
                         # a target its URL parser refuses; says nothing to a client)
                         said = self._target_refused()
+                    elif framing is None and self._reading_head:  # the field line it stopped at
+                        said += error_bodies.field_line_refused(
+                            said, data, getattr(self, "url", b"") or b"",
+                            len(getattr(self, "headers", None) or ())) or ""
                     msg = ("Invalid HTTP request received." if framing is None and not said
                            else f"Invalid HTTP request received: {framing or said}.")
                     self.logger.warning(msg)
