@@ -1566,17 +1566,18 @@ class DeviceLifecycle:
         ``start`` that outlived it (``shutdown.start_busy``, ``_complete_start_owed``).
         Another thread's shutdown in progress is waited
         for (bounded by ``grace``; else ``shutdown.in_progress``), then this call answers as
-        one after it. A ``grace`` that is no finite number of
-        seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
-        a negative one is 0."""
+        one after it. A ``grace`` that is no finite number of seconds >= 0 (None, NaN, inf,
+        a negative one) raises TypeError or ValueError naming it, changing nothing: until stop
+        68 a negative grace was taken as 0, and ``shutdown(-1)`` (-1 meaning "no limit" to
+        ``threading.Lock.acquire``) tore down at once the jobs it was meant to drain."""
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real):
             raise TypeError(f"shutdown: grace={grace!r}: expected seconds (a float), got "
                             f"{type(grace).__name__}")
         # NaN: every bound compares false, a hung job is waited for without end; inf: the
         # thread waits overflow; 10**400: math.isfinite itself raised OverflowError
-        if not math.isfinite(fields.to_float(grace)):
+        if not math.isfinite(fields.to_float(grace)) or grace < 0:
             raise ValueError(f"shutdown: grace={grace!r}: expected a finite number of "
-                             "seconds")
+                             "seconds >= 0 (0: cancel what is left without waiting)")
         forked = self.forked_why()
         if forked is not None:  # the parent's device and threads: nothing here to stop
             return Status.unavailable(Phase.SHUTDOWN, f"{forked}; nothing was stopped (the "

@@ -75,8 +75,8 @@ class SequenceOwnership:
 
 def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:
     """``request.invalid`` naming ``seq_id`` when it is no sequence id (not an int, a bool,
-    outside ``0..S32_MAX``), or ``wait_s`` when it is no finite number of seconds (a NaN, an
-    infinity, a str):
+    outside ``0..S32_MAX``), or ``wait_s`` when it is no finite number of seconds >= 0 (a
+    NaN, an infinity, a str, a negative number: until stop 68 taken as 0):
     an id the KvManager never holds would otherwise be "released" with OK while the id the
     caller meant (``"3"`` for 3) kept its KV."""
     try:
@@ -88,8 +88,8 @@ def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:
                               f"release_sequence: seq_id={seq_id!r}: expected a sequence id, "
                               f"an int in 0..{S32_MAX}")
     if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not math.isfinite(
-            fields.to_float(wait_s)):  # 10**400: math.isfinite raised OverflowError
+            fields.to_float(wait_s)) or wait_s < 0:  # 10**400: math.isfinite raised OverflowError
         return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                               f"release_sequence: wait_s={wait_s!r}: expected a finite number of "
-                              "seconds", seq_id=index)
+                              "seconds >= 0 (0: no wait)", seq_id=index)
     return None

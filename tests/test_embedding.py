@@ -1010,7 +1010,7 @@ def test_release_sequence_refuses_what_is_no_sequence_id_naming_it(calbin):
             status = ex.release_sequence(bad)
             assert status.code == "request.invalid", (bad, status)
             assert f"seq_id={bad!r}" in status.message and status.category.value == "invalid_request"
-        for bad_wait in (math.nan, math.inf, "1"):
+        for bad_wait in (math.nan, math.inf, "1", -1, -0.5):  # (a negative: stop 68)
             status = ex.release_sequence(1, bad_wait)
             assert status.code == "request.invalid" and "wait_s=" in status.message, status
         import numpy as np
@@ -1049,14 +1049,16 @@ def test_shutdown_with_a_grace_that_is_no_seconds_raises_naming_it_and_changes_n
     """``shutdown(None)`` (meant: the default) and ``shutdown("5")`` raised ``'>' not
     supported between instances of 'float' and 'NoneType'``; ``shutdown(math.inf)``
     ``OverflowError: timestamp out of range``; ``shutdown(math.nan)`` took the NaN, whose
-    every bound compares false (found at stop 50 by an embedder). Each raises naming
+    every bound compares false (found at stop 50 by an embedder); ``shutdown(-1)`` (-1: "no
+    limit" to ``threading.Lock.acquire``) was taken as 0, and cancelled at once the jobs it was
+    meant to drain (stop 68). Each raises naming
     ``grace`` before anything is stopped: the executor still serves, and a later
     ``shutdown(5.0)`` ends Stopped."""
     import math
 
     with running_job_path(calbin) as ex:
         for bad, error in ((None, TypeError), ("5", TypeError), (math.inf, ValueError),
-                           (math.nan, ValueError)):
+                           (math.nan, ValueError), (-1, ValueError), (-0.5, ValueError)):
             with pytest.raises(error, match=rf"^shutdown: grace={bad!r}: expected"):
                 ex.shutdown(bad)
             assert ex.state == "Ready" and ex.health() == []
