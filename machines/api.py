@@ -133,10 +133,22 @@ class JobTrail(TypedDict):
 
 class ExecutorSnapshot(TypedDict):
     """``snapshot()``: the executor's gauges and counters (for metrics). Each component's
-    figures are read under that component's own lock (the dispatch's ``queued``, ``inflight``
-    and ``pending_tokens`` together), not the whole snapshot at one instant: across
-    components two gauges may disagree for a moment (``inflight`` counts a job handed to the
-    device before its buffer slot moves to ``InFlight`` in ``slots``)."""
+    figures are read under that component's own lock, not the whole snapshot at one instant.
+    What holds in every snapshot (docs/embedding.md, tests/test_leftovers_probe68.py):
+
+    - ``dispatch`` is one moment of the dispatch: ``queued``, ``inflight``, ``pending_tokens``
+      (equal to the top-level keys of those names) and ``auto_armed`` <= ``guesses``;
+    - ``slots`` counts each buffer slot of the generation once: its values sum to the pool's
+      size (``slots_per_kind`` per kind), whatever slots move meanwhile;
+    - ``kv_blocks_reserved`` and ``kv_sequences`` are one moment of the KV coordinator, and
+      ``kv_blocks_reserved`` <= ``kv_blocks_capacity`` (when there is one);
+    - each counter (``submitted``, ``succeeded``, ...) never decreases from one snapshot to
+      the next.
+
+    Across components there is no such sum: ``inflight`` counts a job handed to the device
+    before its buffer slot moves to ``InFlight`` in ``slots``; ``completing`` (the completion
+    thread's) may still count a job the dispatch no longer does; counters and gauges are of
+    different moments (``submitted`` minus the resolved counters is no gauge)."""
 
     lifecycle: str  #: one of ``LIFECYCLE_STATES``
     generation: int | None  #: the current model generation (None between generations)

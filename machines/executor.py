@@ -1511,12 +1511,13 @@ class DeviceExecutor(SequenceOwnership):
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> ExecutorSnapshot:
         dispatch = self.dispatch.snapshot()
-        pool = self.pool
-        kvc = self.kvc
+        gen = self.gen  # (read once: the generation, its slots and its KV are of one generation)
+        pool = None if gen is None else gen.pool
+        kvc = None if gen is None else gen.kvc
         kv_blocks, kv_seqs = (0, []) if kvc is None else kvc.usage()
         return cast(ExecutorSnapshot, {
             "lifecycle": self.life.run.state,
-            "generation": None if self.gen is None else self.gen.id,
+            "generation": None if gen is None else gen.id,
             "queued": dispatch["queued"],
             "completing": len(self.completion),  # submitted, not completed yet
             "inflight": dispatch["inflight"],

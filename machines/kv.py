@@ -220,12 +220,14 @@ class KvCoordinator:
 
     def usage(self) -> tuple[int, list[int]]:
         """(blocks reserved by all sequences, the sequence ids holding KV reserved or
-        committed, sorted): the host-side view, no KvManager call."""
+        committed, sorted): the host-side view, no KvManager call, both of one moment (read
+        under ``admission_mu``: until stop 68 the blocks were summed after it was released,
+        from views another thread's reservation was changing)."""
         with self.admission_mu:
-            views = [view for view in self.seqs.values()
+            views = [(view.seq_id, view.reserved_len) for view in self.seqs.values()
                      if view.reserved_len > 0 or view.committed_len > 0]
-        return (sum(self.blocks_for(view.reserved_len) for view in views),
-                sorted(view.seq_id for view in views))
+        return (sum(self.blocks_for(reserved) for _, reserved in views),
+                sorted(seq_id for seq_id, _ in views))
 
     def max_seqs(self) -> int | None:
         """The KvManager's sequence ids are ``0..max_seqs-1`` (None when the runtime object

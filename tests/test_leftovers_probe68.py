@@ -117,3 +117,122 @@ def test_a_malformed_header_line_is_named_in_the_400(serve_like, line, named):
     assert error["code"] == "request.malformed_http"
     assert error["message"] == f"Invalid HTTP request received: {named}.", error
     assert b"secret" not in rest
+
+
+def _sums_that_hold(snap, pool_size: int | None) -> list[str]:
+    """The sums docs/embedding.md says every snapshot keeps (``ExecutorSnapshot``), broken."""
+    broken = []
+    dispatch = snap["dispatch"]
+    if not 0 <= dispatch["auto_armed"] <= dispatch["guesses"]:
+        broken.append(f"auto_armed {dispatch['auto_armed']} > guesses {dispatch['guesses']}")
+    if min(snap["queued"], snap["inflight"], snap["pending_tokens"]) < 0:
+        broken.append("a negative dispatch gauge")
+    if snap["slots"] is not None and pool_size is not None and sum(
+            snap["slots"].values()) != pool_size:
+        broken.append(f"slots {snap['slots']} do not sum to {pool_size}")
+    capacity = snap["kv_blocks_capacity"]
+    if capacity is not None and not 0 <= snap["kv_blocks_reserved"] <= capacity:
+        broken.append(f"kv_blocks_reserved {snap['kv_blocks_reserved']} > {capacity}")
+    if snap["kv_sequences"] != sorted(set(snap["kv_sequences"])):
+        broken.append(f"kv_sequences {snap['kv_sequences']}")
+    return broken
+
+
+def test_every_snapshot_taken_while_busy_keeps_the_documented_sums(tmp_path):
+    """The executor's snapshot is read component by component, each under its own lock:
+    which sums hold in every snapshot was not said (a job counted queued and in flight? KV
+    blocks over capacity?). docs/embedding.md now says exactly which hold; here 4 request
+    threads (seeded prompts and lengths, started together by a barrier) prefill, decode and
+    release while another thread takes snapshots until they are done: every snapshot keeps
+    every documented sum, and no counter ever goes back."""
+    import random
+    import threading
+
+    from executor_harness import deadline, decode, prefill, running_job_path, write_calbin
+
+    rng = random.Random(68)
+    plans = [([rng.randrange(1, 500) for _ in range(rng.randrange(2, 12))], rng.randrange(3, 9))
+             for _ in range(4)]
+    with running_job_path(write_calbin(tmp_path), inflight_capacity=2) as ex:
+        pool_size = sum(ex.snapshot()["slots"].values())
+        start = threading.Barrier(len(plans) + 1, timeout=30)
+        done = threading.Event()
+        errors: list[str] = []
+
+        def request(seq: int, prompt: list[int], steps: int) -> None:
+            try:
+                start.wait()
+                for _ in range(3):
+                    result = ex.enqueue(prefill(seq, prompt)).wait_until(deadline(30))
+                    past = len(prompt)
+                    for _ in range(steps):
+                        result = ex.enqueue(decode(seq, result.argmax, past)).wait_until(
+                            deadline(30))
+                        past += 1
+                    status = ex.release_sequence(seq, 5.0)
+                    if not status.ok:
+                        errors.append(str(status))
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(repr(err))
+
+        threads = [threading.Thread(target=request, args=(i, *plan)) for i, plan in
+                   enumerate(plans)]
+        for thread in threads:
+            thread.start()
+        watcher = threading.Thread(target=lambda: ([t.join(60) for t in threads], done.set()))
+        watcher.start()
+        start.wait()
+        snaps, broken = 0, []
+        last: dict[str, int] = {}
+        while not done.is_set() and snaps < 200_000:  # bounded
+            snap = ex.snapshot()
+            snaps += 1
+            broken += _sums_that_hold(snap, pool_size)
+            for name in ("submitted", "succeeded", "failed", "cancelled", "quarantined"):
+                if snap[name] < last.get(name, 0):
+                    broken.append(f"{name} went back from {last[name]} to {snap[name]}")
+                last[name] = snap[name]
+        watcher.join(60)
+        assert not errors, errors
+        assert done.is_set() and snaps > 10, snaps
+        assert not broken, broken[:5]
+        assert last["succeeded"] > 0
+
+
+def test_the_kv_figures_of_a_snapshot_are_of_one_moment(tmp_path):
+    """``kv_blocks_reserved`` was summed after the KV coordinator's lock was released, from
+    the sequences' views another thread's reservation or release was changing, so a snapshot
+    could pair the sequences holding KV at one moment with the blocks of another: here a
+    release lands right as the lock is let go, and the snapshot said sequence 3 held KV with
+    0 blocks reserved. Both are now read under the lock."""
+    from executor_harness import deadline, prefill, running_job_path, write_calbin
+
+    with running_job_path(write_calbin(tmp_path)) as ex:
+        assert ex.enqueue(prefill(3, [5, 6, 7, 8, 9])).wait_until(deadline(30)).argmax >= 0
+        kvc = ex.kvc
+        view = kvc.seqs[3]
+        view.reserved_len = view.committed_len  # (as a reservation leaves it)
+        before = ex.snapshot()
+        assert before["kv_sequences"] == [3] and before["kv_blocks_reserved"] > 0, before
+        real = kvc.admission_mu
+
+        class ReleasedAsItIsLetGo:
+            """The coordinator's lock, whose release lets another thread's reset in."""
+
+            def __enter__(self):
+                return real.__enter__()
+
+            def __exit__(self, *exc):
+                out = real.__exit__(*exc)
+                view.reserved_len = 0  # another thread's reset, just after
+                return out
+
+        kvc.admission_mu = ReleasedAsItIsLetGo()
+        try:
+            snap = ex.snapshot()
+        finally:
+            kvc.admission_mu = real
+            view.reserved_len = view.committed_len
+        assert (snap["kv_sequences"], snap["kv_blocks_reserved"]) == (
+            [3], before["kv_blocks_reserved"])
+        assert ex.release_sequence(3, 5.0).ok
