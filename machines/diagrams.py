@@ -580,16 +580,18 @@ def _render_nested_dot(chart: CompiledChart, active: frozenset[str], taken: froz
     return "\n".join(out) + "\n"
 
 
-def run_graphviz(dot: str, fmt: str) -> bytes:
-    """``dot -T<fmt>`` of ``dot`` text; ``GraphvizError`` when graphviz is missing or fails."""
+def run_graphviz(dot: str, fmt: str, timeout_s: float | None = None) -> bytes:
+    """``dot -T<fmt>`` of ``dot`` text; ``GraphvizError`` when graphviz is missing or fails,
+    or has not finished within ``timeout_s`` seconds (None: :data:`GRAPHVIZ_TIMEOUT_S`)."""
+    timeout = GRAPHVIZ_TIMEOUT_S if timeout_s is None else timeout_s
     exe = shutil.which("dot")
     if exe is None:
         raise GraphvizError("graphviz 'dot' is not on PATH (Debian: apt-get install graphviz)")
     try:
         done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
-                              timeout=GRAPHVIZ_TIMEOUT_S, check=False)
+                              timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise GraphvizError(f"dot -T{fmt} did not finish within {GRAPHVIZ_TIMEOUT_S} s") from None
+        raise GraphvizError(f"dot -T{fmt} did not finish within {timeout:g} s") from None
     if done.returncode != 0:
         raise GraphvizError(f"dot -T{fmt} exited {done.returncode}: "
                             f"{done.stderr.decode('utf-8', 'replace').strip()}")
@@ -603,18 +605,21 @@ def _dot_text(dot: object, function: str) -> None:
                         f"render_chart_dot returns it)")
 
 
-def svg_from_dot(dot: str) -> str:
+def svg_from_dot(dot: str, timeout_s: float | None = None) -> str:
+    """SVG of ``dot`` with the DOT's sha256 in a comment (``timeout_s``: as
+    :func:`run_graphviz`'s)."""
     _dot_text(dot, "svg_from_dot")
-    svg = run_graphviz(dot, "svg").decode("utf-8")
+    svg = run_graphviz(dot, "svg", timeout_s).decode("utf-8")
     comment = _SHA_COMMENT.format(hashlib.sha256(dot.encode("utf-8")).hexdigest())
     head, sep, body = svg.partition("?>")  # keep the XML declaration first, if any
     return f"{head}{sep}\n{comment}{body}" if sep else f"{comment}\n{svg}"
 
 
-def png_from_dot(dot: str) -> bytes:
-    """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``."""
+def png_from_dot(dot: str, timeout_s: float | None = None) -> bytes:
+    """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``
+    (``timeout_s``: as :func:`run_graphviz`'s)."""
     _dot_text(dot, "png_from_dot")
-    png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png")
+    png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png", timeout_s)
     if not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
         raise GraphvizError("dot -Tpng did not return a PNG")
     end_ihdr = 8 + 12 + struct.unpack(">I", png[8:12])[0]

@@ -37,7 +37,8 @@ as a step: only the chart raises it). Guard outcomes of a step are set on the na
 answers: a guard expression's by the names inside it (``guard_expr``: ``cond="a and not b"``
 taken under ``{"a": True, "b": False}``); a callable guard, which python-statemachine calls
 itself and no model answers, or an expression not over names is refused (``_unsettable``).
-At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError`` beyond).
+At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError`` beyond; each
+function's ``max_configurations`` sets another bound).
 
 A configuration is the *set* of active states, with the set of states each history recorded
 (``_node``), whatever order a run entered them in: the regions of a parallel state moved by
@@ -84,8 +85,24 @@ from calexec.machines.guard_expr import (
 )
 from calexec.machines.statechart_run import StatechartRun
 
-#: bound on the configurations explored for a hierarchical chart
+#: bound on the configurations explored for a hierarchical chart (the default of every
+#: ``max_configurations``; ``calexec charts paths --max-configurations``)
 MAX_CONFIGURATIONS = 5000
+
+
+def configurations_bound(max_configurations: object = None) -> int:
+    """The bound on the configurations explored: ``max_configurations`` (an int >= 1), or
+    :data:`MAX_CONFIGURATIONS` for None; anything else is a ``ValueError`` (``TypeError`` for
+    what is no int) naming it."""
+    if max_configurations is None:
+        return MAX_CONFIGURATIONS
+    if isinstance(max_configurations, bool) or not isinstance(max_configurations, int):
+        raise TypeError(f"max_configurations={max_configurations!r}: expected an int >= 1 "
+                        "or None (the default, MAX_CONFIGURATIONS)")
+    if max_configurations < 1:
+        raise ValueError(f"max_configurations={max_configurations!r}: expected an int >= 1 "
+                         "or None (the default, MAX_CONFIGURATIONS)")
+    return max_configurations
 
 
 @attrs.frozen
@@ -299,16 +316,17 @@ def _guards(chart: CompiledChart) -> dict[int, Mapping[str, bool] | None]:
     return guards
 
 
-def transition_paths(chart: ChartLike) -> list[Path]:
+def transition_paths(chart: ChartLike, max_configurations: int | None = None) -> list[Path]:
     """One shortest path per declared transition, in ``chart.transitions`` order.
 
     Raises ``ValueError`` naming any transition that is shadowed or whose source state is
-    unreachable: both are declaration bugs.
+    unreachable: both are declaration bugs. ``max_configurations``: the bound on the
+    configurations of a hierarchical chart explored (:func:`configurations_bound`).
     """
     chart = compiled(chart)
     guards = _guards(chart)
     if _by_configuration(chart):
-        return _configuration_paths(chart)
+        return _configuration_paths(chart, configurations_bound(max_configurations))
     reach = _shortest(_outgoing(chart), chart.initial, guards)
     paths = []
     for transition in chart.transitions:
@@ -321,13 +339,14 @@ def transition_paths(chart: ChartLike) -> list[Path]:
     return paths
 
 
-def state_paths(chart: ChartLike) -> dict[str, Walk]:
+def state_paths(chart: ChartLike, max_configurations: int | None = None) -> dict[str, Walk]:
     """State -> the shortest walk from the initial state to it, in ``chart.states`` order (the
-    initial state's walk has no step). Raises ``ValueError`` naming an unreachable state."""
+    initial state's walk has no step). Raises ``ValueError`` naming an unreachable state.
+    ``max_configurations``: as :func:`transition_paths`'."""
     chart = compiled(chart)
     guards = _guards(chart)
     if _by_configuration(chart):
-        return _configuration_walks(chart)
+        return _configuration_walks(chart, configurations_bound(max_configurations))
     reach = _shortest(_outgoing(chart), chart.initial, guards)
     missing = [state for state in chart.states if state not in reach]
     if missing:
@@ -337,14 +356,16 @@ def state_paths(chart: ChartLike) -> dict[str, Walk]:
             for state in chart.states}
 
 
-def transition_tour(chart: ChartLike) -> list[Walk]:
+def transition_tour(chart: ChartLike, max_configurations: int | None = None) -> list[Walk]:
     """Walks from the initial state that together take every declared transition: each walk
     goes on to the nearest transition not taken yet until none is reachable from where it is
-    (a final state), then the next walk starts over. Raises as ``transition_paths`` does."""
+    (a final state), then the next walk starts over. Raises as ``transition_paths`` does
+    (``max_configurations`` too)."""
     chart = compiled(chart)
-    transition_paths(chart)  # every transition is takable and its source reachable, or raise
+    # every transition is takable and its source reachable, or raise
+    transition_paths(chart, max_configurations)
     if _by_configuration(chart):
-        return _configuration_tour(chart)
+        return _configuration_tour(chart, configurations_bound(max_configurations))
     guards = _guards(chart)
     outgoing = _outgoing(chart)
     untaken = {t.id for t in chart.transitions}
@@ -629,11 +650,14 @@ def _variants(outcomes: Mapping[str, bool],
     return found
 
 
-def _graph(chart: CompiledChart) -> _Graph:
+def _graph(chart: CompiledChart, limit: int) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
-    lives (breadth-first from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
+    lives (breadth-first from the initial configuration; ``limit`` configurations at most: a
+    graph explored before under a higher bound is refused past this one as well)."""
     known = _GRAPHS.get(id(chart))
     if known is not None and known[0]() is chart:
+        if len(known[1].edges) > limit:
+            raise ValueError(_too_many(chart, limit))
         return known[1]
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
@@ -720,8 +744,8 @@ def _graph(chart: CompiledChart) -> _Graph:
                     held.setdefault(state, (origin, path, twin.state))
                 out.append(edge)
                 if after not in runs:
-                    if len(runs) >= MAX_CONFIGURATIONS:
-                        raise ValueError(_too_many(chart))
+                    if len(runs) >= limit:
+                        raise ValueError(_too_many(chart, limit))
                     runs[after] = (twin, origin, path)
                     frontier.append(after)
     entered.update(held)
@@ -776,8 +800,8 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transitio
     return f"{chart.name}: {where} {left}: {why}"
 
 
-def _too_many(chart: CompiledChart) -> str:
-    """Why ``_graph`` stops: more than ``MAX_CONFIGURATIONS`` nodes, naming what multiplies
+def _too_many(chart: CompiledChart, limit: int) -> str:
+    """Why ``_graph`` stops: more than ``limit`` nodes, naming what multiplies
     them (the history states: a node is the active states *and* what each history recorded)
     and what still takes the chart."""
     histories = [str(h.id) for state in chart.declaration.states_map.values()
@@ -793,9 +817,10 @@ def _too_many(chart: CompiledChart) -> str:
                       f"{len(histories)} history states recorded: {_shown(histories)}; their "
                       f"combinations multiply")
     why = f" ({'; '.join(causes)})" if causes else ""
-    return (f"{chart.name}: more than {MAX_CONFIGURATIONS} configurations reachable{why}; "
-            f"paths are not enumerated (charts draw, cover and mutate still take the chart; "
-            f"drive its tests with a model of your own)")
+    return (f"{chart.name}: more than {limit} configurations reachable{why}; "
+            f"paths are not enumerated (raise the bound: `calexec charts paths "
+            f"--max-configurations N`, max_configurations=N; charts draw, cover and mutate "
+            f"still take the chart; or drive its tests with a model of your own)")
 
 
 def _shown(names: list[str]) -> str:
@@ -876,8 +901,8 @@ def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
     return f" ({'; '.join(reasons)})"
 
 
-def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
-    graph = _graph(chart)
+def _configuration_walks(chart: CompiledChart, limit: int) -> dict[str, Walk]:
+    graph = _graph(chart, limit)
     entered = graph.entered
     missing = [state for state in chart.states if state not in entered]
     if missing:
@@ -890,8 +915,8 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
             for state in chart.states}
 
 
-def _configuration_paths(chart: CompiledChart) -> list[Path]:
-    graph = _graph(chart)
+def _configuration_paths(chart: CompiledChart, limit: int) -> list[Path]:
+    graph = _graph(chart, limit)
     first = _from_starts(graph)
     never = [t for t in chart.transitions if t.id not in first]
     if never:
@@ -1017,11 +1042,11 @@ def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition])
     return "".join(reasons)
 
 
-def _configuration_tour(chart: CompiledChart) -> list[Walk]:
+def _configuration_tour(chart: CompiledChart, limit: int) -> list[Walk]:
     """Walks from the initial configuration that together take every transition: each goes
     on by the shortest steps to the nearest transition not taken yet, until none is
     reachable; then the next walk starts over."""
-    graph = _graph(chart)
+    graph = _graph(chart, limit)
     # first the walks to every other transition; then, if none of them began where every
     # guard holds (each begins with a start step refusing a guarded transition the chart takes
     # as it starts: it takes none of those), a walk of no step from there, which takes them
@@ -1139,7 +1164,7 @@ def _history_defaults(chart: CompiledChart) -> dict[str, list[str]]:
     return found
 
 
-def as_data(chart: ChartLike) -> PathsData:
+def as_data(chart: ChartLike, max_configurations: int | None = None) -> PathsData:
     """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
     walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
@@ -1148,9 +1173,12 @@ def as_data(chart: ChartLike) -> PathsData:
     configuration the start ends in>, "guards": <outcomes to set before the chart starts>}``.
     ``ends``: the configuration each of those ends in, ``"a,b"`` (``Walk.end``, ``Path.end``):
     ``{"states": {state: end}, "transitions": [end, ...], "tour": [end, ...]}`` in the order
-    of ``states``, ``transitions`` and ``tour``."""
+    of ``states``, ``transitions`` and ``tour``. ``max_configurations``: as
+    :func:`transition_paths`'."""
     chart = compiled(chart)
-    walks, paths, tour = state_paths(chart), transition_paths(chart), transition_tour(chart)
+    walks = state_paths(chart, max_configurations)
+    paths = transition_paths(chart, max_configurations)
+    tour = transition_tour(chart, max_configurations)
     return {
         "chart": chart.name,
         "class": f"{chart.declaration.__module__}:{chart.declaration.__qualname__}",

@@ -236,3 +236,80 @@ def test_the_kv_figures_of_a_snapshot_are_of_one_moment(tmp_path):
         assert (snap["kv_sequences"], snap["kv_blocks_reserved"]) == (
             [3], before["kv_blocks_reserved"])
         assert ex.release_sequence(3, 5.0).ok
+
+
+CHARTS3 = __import__("pathlib").Path(__file__).parent / "data" / "charts3"
+
+
+def _charts(*args: str, path: str | None = None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(CHARTS3), os.environ.get("PYTHONPATH", "")]))}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run([sys.executable, "-m", "calexec", "charts", *args], cwd=CHARTS3,
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_charts_paths_takes_its_bound_on_configurations_from_an_option():
+    """``calexec charts paths`` explored at most 5000 configurations of a hierarchical chart,
+    a bound no option could change: a chart of 6000 was refused for good. ``--max-configurations
+    N`` sets it (default 5000); the refusal names the option; a bound that is no int >= 1 is
+    refused naming it (exit 2)."""
+    done = _charts("paths", "order_flow:OrderFlow", "--max-configurations", "2")
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.startswith("calexec charts paths: OrderFlow: more than 2 configurations "
+                                  "reachable"), done.stderr
+    assert "raise the bound: `calexec charts paths --max-configurations N`" in done.stderr
+    plain = _charts("paths", "order_flow:OrderFlow", "--json")
+    bounded = _charts("paths", "order_flow:OrderFlow", "--json", "--max-configurations", "64")
+    assert plain.returncode == bounded.returncode == 0, (plain.stderr, bounded.stderr)
+    assert json.loads(plain.stdout) == json.loads(bounded.stdout)
+    for bad, said in (("0", "must be >= 1, got 0"), ("x", "'x' is not an integer")):
+        done = _charts("paths", "order_flow:OrderFlow", "--max-configurations", bad)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            f"calexec charts paths: error: argument --max-configurations: {said} (see calexec "
+            "charts paths --help)"], done.stderr
+
+
+def test_the_configurations_bound_of_the_library_is_checked_and_kept_per_call():
+    from calexec.machines import paths
+    from calexec.machines.chartref import load_chart
+
+    chart = load_chart("order_flow:OrderFlow", cwd=str(CHARTS3))
+    assert paths.as_data(chart) == paths.as_data(chart, max_configurations=64)
+    # a graph explored before under a higher bound is refused past a lower one as well
+    with pytest.raises(ValueError, match=r"more than 2 configurations reachable"):
+        paths.state_paths(chart, max_configurations=2)
+    for bad, error in ((0, ValueError), (True, TypeError), ("9", TypeError)):
+        with pytest.raises(error, match=rf"^max_configurations={bad!r}: expected an int >= 1"):
+            paths.transition_paths(chart, max_configurations=bad)
+
+
+def test_charts_draw_takes_its_graphviz_timeout_from_an_option(tmp_path):
+    """``calexec charts draw`` gave graphviz's dot 60 s per format, a bound no option could
+    change: a chart of hundreds of states that needs longer could not be drawn. ``--timeout S``
+    sets it (default 60); past it nothing is written and the error says how to give more; a
+    value that is no number of seconds > 0 is refused naming it (exit 2). Here a ``dot`` that
+    never answers."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dot").write_text("#!/bin/sh\nexec /bin/sleep 600\n")
+    (bin_dir / "dot").chmod(0o755)
+    out = tmp_path / "out"
+    done = _charts("draw", "order_flow:OrderFlow", "--out", str(out), "--timeout", "0.5",
+                   path=str(bin_dir))
+    assert done.returncode == 2 and done.stdout == "" and not out.exists(), done
+    assert done.stderr.splitlines() == [
+        "calexec charts draw: graphviz's dot could not draw OrderFlow (15 states, 12 "
+        "transitions): dot -Tsvg did not finish within 0.5 s (give it more: --timeout 1); "
+        "nothing written (`charts paths` and `charts draw --check` need no graphviz)"], done.stderr
+    for bad in ("0", "nan", "-1", "1e9"):
+        done = _charts("draw", "order_flow:OrderFlow", "--out", str(out), "--timeout", bad)
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            "calexec charts draw: error: argument --timeout: must be a number of seconds > 0 "
+            f"and at most 1e+06, got {bad!r} (see calexec charts draw --help)"], done.stderr
+

@@ -11,7 +11,9 @@ without) are not what the chart renders now (compares DOT text and the DOT sha25
 SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
 to every state, to every transition, and a transition tour (walks from the initial state that
 together take every transition), as text or, with ``--json``, as data a test can iterate
-(``calexec.machines.paths.as_data``). A walk whose chart must choose otherwise as it starts
+(``calexec.machines.paths.as_data``; ``--max-configurations N``: the bound on a hierarchical
+chart's configurations explored, 5000 by default). ``draw --timeout S``: the seconds graphviz
+may take per format (60 by default). A walk whose chart must choose otherwise as it starts
 (a guarded eventless transition out of the initial state) begins with a start step,
 ``(start)[!healthy]`` (JSON: ``"event": null``): outcomes to set before the chart starts.
 
@@ -38,7 +40,9 @@ from calexec.cliargs import (
     UserError,
     make_dir,
     output_path,
+    positive_int,
     refuse_non_directory,
+    seconds,
     shell_word,
     staged_report,
     writable_file,
@@ -56,7 +60,7 @@ from calexec.machines.diagrams import (
     render_chart_dot,
     svg_from_dot,
 )
-from calexec.machines.paths import PathsData, PathStep, as_data
+from calexec.machines.paths import MAX_CONFIGURATIONS, PathsData, PathStep, as_data
 
 
 def chart_from(ref: str) -> CompiledChart:
@@ -144,6 +148,10 @@ def draw(argv: list[str]) -> int:
                         help="exit 1 if the files in --out are not what the chart renders now")
     parser.add_argument("--png", action="store_true",
                         help="also write <Class>.png (--check checks one that is there anyway)")
+    parser.add_argument("--timeout", type=seconds, default=float(GRAPHVIZ_TIMEOUT_S),
+                        metavar="S", help="seconds graphviz's dot may take to lay out each "
+                        "format (a chart of hundreds of states with many crossing edges may "
+                        "need more); past it nothing is written")
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
     if args.check:
@@ -177,16 +185,19 @@ def draw(argv: list[str]) -> int:
     size = f"{len(chart.states)} states, {len(chart.transitions)} transitions"
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
         print(f"calexec charts draw: laying out {chart.name} ({size}) with graphviz's dot, "
-              f"at most {GRAPHVIZ_TIMEOUT_S} s per format ...", file=sys.stderr, flush=True)
+              f"at most {args.timeout:g} s per format ...", file=sys.stderr, flush=True)
     try:  # every format first: a chart graphviz cannot lay out writes nothing
-        contents: dict[str, str | bytes] = {".dot": dot, ".svg": svg_from_dot(dot)}
+        contents: dict[str, str | bytes] = {".dot": dot,
+                                            ".svg": svg_from_dot(dot, args.timeout)}
         if args.png:
-            contents[".png"] = png_from_dot(dot)
+            contents[".png"] = png_from_dot(dot, args.timeout)
     except GraphvizError as err:
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         if shutil.which("dot") is None:
             raise UserError(f"drawing needs graphviz's dot: {why}") from None
-        raise UserError(f"graphviz's dot could not draw {chart.name} ({size}): {why}; "
+        more = (f" (give it more: --timeout {2 * args.timeout:g})"
+                if "did not finish within" in why else "")
+        raise UserError(f"graphviz's dot could not draw {chart.name} ({size}): {why}{more}; "
                         f"nothing written (`charts paths` and `charts draw --check` need no "
                         f"graphviz)") from None
     make_dir("--out", args.out)  # (a file there: 'not a directory', not 'File exists')
@@ -237,10 +248,14 @@ def paths(argv: list[str]) -> int:
     parser = cli_parser("calexec charts paths", __doc__)
     parser.add_argument("chart", metavar="MODULE:CLASS", help="the chart class")
     parser.add_argument("--json", action="store_true", help="print JSON (machines.paths.as_data)")
+    parser.add_argument("--max-configurations", type=positive_int, default=MAX_CONFIGURATIONS,
+                        metavar="N", help="the most configurations of a hierarchical chart "
+                        "explored (its active states and what its history states recorded); "
+                        "past it the paths are refused, naming what multiplies them")
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
     try:
-        data = as_data(chart)
+        data = as_data(chart, args.max_configurations)
     except ValueError as err:  # an unreachable state, a shadowed transition
         raise UserError(str(err)) from None
     print(json.dumps(data, indent=2) if args.json else _text(data))
