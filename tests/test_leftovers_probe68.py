@@ -313,3 +313,57 @@ def test_charts_draw_takes_its_graphviz_timeout_from_an_option(tmp_path):
             "calexec charts draw: error: argument --timeout: must be a number of seconds > 0 "
             f"and at most 1e+06, got {bad!r} (see calexec charts draw --help)"], done.stderr
 
+
+def test_a_schema_seen_before_is_not_checked_and_compiled_again(monkeypatch):
+    """A request of a JSON schema whose grammar was kept (grammar.py, stop 67) still ran the
+    schema's checks and llguidance's schema compiles (lenient, the unapplied-keyword check,
+    strict) before finding the kept grammar: each request of a 2,000-branch schema paid them
+    again. The checked schema's grammar is kept now too (same bounds, same reset): the second
+    request compiles nothing; a refused schema is not kept, and is refused in the same words
+    again. Equal answers to the plain path: tests/test_grammar_reuse.py (both paths)."""
+    import needs
+
+    ll = needs.module("llguidance", "server")
+    from calexec.drivers.serving import grammar
+    from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
+
+    calls: list[str] = []
+    real = ll.LLMatcher
+
+    class Counting:
+        def __new__(cls, *args, **kw):
+            return real(*args, **kw)
+
+        @staticmethod
+        def grammar_from_json_schema(*args, **kw):
+            calls.append("compile")
+            return real.grammar_from_json_schema(*args, **kw)
+
+        @staticmethod
+        def validate_grammar_with_warnings(*args, **kw):
+            calls.append("validate")
+            return real.validate_grammar_with_warnings(*args, **kw)
+
+        grammar_from_lark = staticmethod(real.grammar_from_lark)
+
+    monkeypatch.setattr(ll, "LLMatcher", Counting)
+    grammar.forget_compiled()
+    schema = {"type": "object", "properties": {"only_in_probe68": {"type": "integer"}},
+              "required": ["only_in_probe68"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    grammars = []
+    for _ in range(2):
+        before = len(calls)
+        grammars.append(grammar.completion_structure(rf, ByteTokenizer(), 600, 0).grammar)
+        calls.append(f"request:{len(calls) - before}")
+    assert grammars[0] == grammars[1]
+    first, second = (int(c.split(":")[1]) for c in calls if c.startswith("request:"))
+    assert first >= 3 and second == 0, calls
+    bad = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "array", "uniqueItems": True}, "strict": True}}
+    refusals = []
+    for _ in range(2):
+        with pytest.raises(grammar.GrammarError) as err:
+            grammar.completion_structure(bad, ByteTokenizer(), 600, 0)
+        refusals.append((err.value.param, str(err.value)))
+    assert refusals[0] == refusals[1] and "uniqueItems" in refusals[0][1]

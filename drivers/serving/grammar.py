@@ -354,10 +354,12 @@ def _copied(matcher: Any) -> Any:
 
 def forget_compiled() -> None:
     """Drop every kept grammar (tests: a compile from nothing)."""
-    global _kept_chars
+    global _kept_chars, _schema_chars
     with _KEPT_MU:
         _KEPT.clear()
         _kept_chars = 0
+        _SCHEMAS.clear()
+        _schema_chars = 0
 
 
 def _kept(tokenizer: Any, grammar: str, checked: bool) -> Any:
@@ -1214,7 +1216,53 @@ def _admits_a_value(grammar: str, tokenizer: Any, param: str, matcher: Any = Non
     return grammar
 
 
+#: the grammar of each JSON Schema that passed :func:`_schema_grammar`'s checks, by the
+#: schema's JSON text and ``strict`` (least recently used first, bounded as :data:`_KEPT`:
+#: :data:`KEPT_MAX` schemas, :data:`KEPT_CHARS_MAX` characters of schema and grammar
+#: together), so a request of a schema seen before skips the checks and the two compiles
+#: its compiled grammar (kept in :data:`_KEPT`) skips. A refused schema is not kept: it is
+#: checked again (and refused in the same words). Guarded by :data:`_KEPT_MU`.
+_SCHEMAS: OrderedDict[tuple[str, bool], str] = OrderedDict()
+_schema_chars = 0
+
+
+def _schema_key(schema: Any, strict: bool) -> tuple[str, bool] | None:
+    """``schema``'s key in :data:`_SCHEMAS`: its JSON text, keys in their order (the
+    grammar follows it) and numbers as written (``1`` and ``1.0`` apart); None when it has
+    no JSON text or is too long to keep."""
+    try:
+        text = json.dumps(schema, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return None
+    return None if len(text) > KEPT_CHARS_MAX else (text, strict)
+
+
 def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
+    """:func:`_checked_schema_grammar` of ``schema``, kept across requests
+    (:data:`_SCHEMAS`; the plain path, ``REUSE_COMPILED`` False, checks every time)."""
+    global _schema_chars
+    key = _schema_key(schema, strict) if REUSE_COMPILED else None
+    if key is None:
+        return _checked_schema_grammar(schema, param, strict)
+    with _KEPT_MU:
+        grammar = _SCHEMAS.get(key)
+        if grammar is not None:
+            _SCHEMAS.move_to_end(key)
+            return grammar
+    grammar = _checked_schema_grammar(schema, param, strict)
+    with _KEPT_MU:
+        if key not in _SCHEMAS and len(key[0]) + len(grammar) <= KEPT_CHARS_MAX:
+            _SCHEMAS[key] = grammar
+            _schema_chars += len(key[0]) + len(grammar)
+            while len(_SCHEMAS) > KEPT_MAX or _schema_chars > KEPT_CHARS_MAX:
+                (text, _), gone = _SCHEMAS.popitem(last=False)
+                _schema_chars -= len(text) + len(gone)
+    return grammar
+
+
+def _checked_schema_grammar(schema: Any, param: str, strict: bool) -> str:
+    """``schema``'s grammar after its checks (integer bounds, finite numbers, keywords
+    llguidance would not apply), or the :class:`GrammarError` naming ``param``."""
     from llguidance import LLMatcher
     if not isinstance(schema, dict):
         raise GrammarError(param, f"{param}: must be a JSON Schema object, got "
