@@ -600,6 +600,8 @@ class DeviceLifecycle:
         if isinstance(gen, Status):
             return gen
         gen.kvc.on_busy = host.outcomes.release_armed_of  # armed jobs are guesses
+        faults = host.outcomes.faults  # a KvManager refusal the books contradict is a fault
+        gen.kvc.refusals_to(faults.report, faults.backoff, config.recovery.kv_refusal_retries)
         # the sequences whose KV went with the generations before (an embedder's decode on
         # one is told so)
         gen.kvc.carry_dropped(self._kv_gone)

@@ -117,6 +117,10 @@ class RecoveryPolicy:
     #: infer() retries on a transient code (the runtime did not run the graph), with
     #: exponential backoff from backoff_base_s, capped at backoff_max_s, +/- jitter fraction
     submit_retries: int = attrs.field(default=2, validator=_policy_number(0, integral=True))
+    #: retries of a KV reservation the KvManager refused while the host's books show the
+    #: blocks free (``kv.refused``, §8 TRANSIENT), each after ``backoff``; then it waits
+    #: for KV given back until its deadline (FI04)
+    kv_refusal_retries: int = attrs.field(default=3, validator=_policy_number(0, integral=True))
     backoff_base_s: float = attrs.field(default=0.001, validator=_policy_number(0))
     backoff_max_s: float = attrs.field(default=0.02, validator=_policy_number(0))
     jitter: float = attrs.field(default=0.5, validator=_policy_number(0, 1))

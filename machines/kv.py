@@ -7,7 +7,12 @@ executor shuts down. Each wake-up retries ``Apply`` exactly once. A fresh reserv
 to wait is served first come, first served (``_fifo``: only the head tries, a later one never
 overtakes it); growing a reservation already held is never queued. A capacity *epoch* counter,
 bumped under ``admission_mu`` whenever capacity is given back, closes the window between a
-failed ``Apply`` and the wait: no release can be missed, and no thread spins.
+failed ``Apply`` and the wait: no release can be missed, and no thread spins. A refusal of
+blocks the coordinator's own books (``_applied``: every Apply and release it made) show free
+is the runtime's, not a shortage: no release need come to end it (on an idle device none
+does), so it is reported (``kv.refused``, §8 TRANSIENT, once a reservation) and retried after
+the fault sink's back-off, ``refusal_retries`` times at most, before the wait is for a
+release alone.
 
 A successful reserve opens a ``KvTxn``: a run of the declared ``KvTxnChart`` (Reserved ->
 Submitted -> Committed | Unknown; Reserved -> RolledBack). The coordinator keeps one view per
@@ -168,6 +173,23 @@ class KvCoordinator:
         #: Set by the lifecycle before this generation admits anything (``carry_dropped``);
         #: a job past the committed length of one is told which generation dropped its KV
         self.dropped: dict[int, tuple[int, int]] = {}
+        #: the blocks each sequence holds on the KvManager as the coordinator asked for them
+        #: (under ``_kv_call_mu``, set by every Apply and release it made): the host's books,
+        #: against which a refusal is read (``_try_apply``)
+        self._applied: dict[int, int] = {}
+        #: the executor's hooks for a refusal the books contradict (``refusals_to``): the
+        #: fault sink's ``report``, its back-off and how many retries a reservation makes
+        self.on_refused: Callable[[Status], None] | None = None
+        self.refusal_backoff: Callable[[int], float] = lambda attempt: 0.001
+        self.refusal_retries = 0
+
+    def refusals_to(self, report: Callable[[Status], None], backoff: Callable[[int], float],
+                    retries: int) -> None:
+        """Where a KvManager refusal that the host's books contradict goes (§8 TRANSIENT):
+        ``report`` (the fault sink) once per reservation, and ``retries`` bounded retries
+        after ``backoff(attempt)`` seconds each before the reservation waits for a release
+        alone (FI04)."""
+        self.on_refused, self.refusal_backoff, self.refusal_retries = report, backoff, retries
 
     def gone_with_it(self) -> dict[int, tuple[int, int]]:
         """What a generation replacing this one is told (``dropped``): this generation's
@@ -197,10 +219,34 @@ class KvCoordinator:
     def _apply(self, seq_id: int, target: int) -> bool | None:
         """Apply on the KvManager; None once the coordinator is closed (no device call)."""
         with self._kv_call_mu:
+            return self._apply_locked(seq_id, target)
+
+    def _apply_locked(self, seq_id: int, target: int) -> bool | None:
+        """``_apply`` with ``_kv_call_mu`` held; the books follow a granted Apply."""
+        if self._kv_closed:
+            return None
+        self.apply_calls += 1
+        granted = bool(self.kv.apply(seq_id, target))
+        if granted:
+            self._applied[seq_id] = self.blocks_for(target)
+        return granted
+
+    def _try_apply(self, seq_id: int, target: int, needed: int) -> tuple[bool, int | None]:
+        """``canAllocate(needed)`` then one ``Apply`` (§7), under one hold of
+        ``_kv_call_mu``: (granted, None), or (False, the blocks the host's books show free)
+        when the KvManager said no to blocks the books show free: it refused what no
+        sequence the coordinator knows of holds (the books follow every Apply and release
+        the coordinator made, under this lock, so none is half-counted)."""
+        with self._kv_call_mu:
             if self._kv_closed:
-                return None
-            self.apply_calls += 1
-            return bool(self.kv.apply(seq_id, target))
+                return False, None
+            if self.kv.can_allocate(needed) and self._apply_locked(seq_id, target):
+                return True, None
+            capacity = self.capacity_blocks()
+            if capacity is None:  # the runtime does not say: the books cannot tell
+                return False, None
+            free = capacity - sum(self._applied.values())
+            return False, (free if free >= needed else None)
 
     @property
     def waiting(self) -> int:
@@ -374,7 +420,9 @@ class KvCoordinator:
                       ticket: _Claim, deadline: float, stop: Callable[[], Status | None],
                       ctx: dict[str, Any]) -> Status | None:
         waited = False  # it waited for KV: its deadline passing is the KV's answer
+        refusals = 0  # refusals the host's books contradicted (retried after a back-off)
         while True:
+            retry_at = None  # a contradicted refusal's retry: no release need come
             with self.admission_mu:
                 closed = self._closed
                 epoch = self._epoch
@@ -392,10 +440,12 @@ class KvCoordinator:
                 return Status.unavailable(Phase.ADMISSION, "the KvManager was closed (its "
                                           "generation ends); not admitting", **ctx)
             if not behind:
-                with self._kv_call_mu:
-                    fits = not self._kv_closed and bool(self.kv.can_allocate(needed))
-                if fits and self._apply(seq_id, target):
+                granted, free = self._try_apply(seq_id, target, needed)
+                if granted:
                     return None
+                if free is not None:
+                    refusals += 1
+                    retry_at = self._refused(seq_id, target, needed, free, refusals, ctx)
             with self.admission_mu:
                 if fresh and ticket.what != _QUEUED:
                     if self._fifo:
@@ -408,11 +458,16 @@ class KvCoordinator:
                         # wakes no one): its turn, and it has not tried: try now, not wait
                         continue
                 while self._epoch == epoch and not self._closed:
-                    remaining = deadline - self.clock.monotonic()
+                    now = self.clock.monotonic()
+                    remaining = deadline - now
                     if remaining <= 0:
                         return self._kv_deadline(seq_id, target, needed, ctx)
                     if stop() is not None:
                         break
+                    if retry_at is not None:
+                        if now >= retry_at:
+                            break  # its back-off passed: ask the KvManager again
+                        remaining = min(remaining, retry_at - now)
                     waited = True
                     self._waiting += 1
                     try:
@@ -420,6 +475,27 @@ class KvCoordinator:
                     finally:
                         self._waiting -= 1
                     self.wakeups += 1
+
+    def _refused(self, seq_id: int, target: int, needed: int, free: int, refusals: int,
+                 ctx: dict[str, Any]) -> float | None:
+        """The KvManager refused ``needed`` blocks the host's books show free (``free`` of
+        them): no release the wait is woken by need come (on an idle device none does), so
+        the refusal is the runtime's, not a shortage: §8 TRANSIENT (the KvManager's booleans
+        carry no CalRT code: raw None), reported once per reservation, and retried after a
+        back-off at most ``refusal_retries`` times (then the wait is for a release alone,
+        to the deadline: FI04). When the next retry is due (``clock.monotonic()``), or None."""
+        if refusals == 1 and self.on_refused is not None:
+            capacity = self.capacity_blocks()
+            self.on_refused(Status.failure(
+                "kv.refused", Category.TRANSIENT, Phase.ADMISSION,
+                f"the KvManager refused {needed} more blocks for seq {seq_id} "
+                f"(target_len={target}) while the host's books show {free} of {capacity} "
+                "blocks free: retried after a back-off "
+                f"(at most {self.refusal_retries} times), then waiting for KV given back "
+                "until the deadline", **ctx))
+        if refusals > self.refusal_retries:
+            return None
+        return self.clock.monotonic() + self.refusal_backoff(refusals)
 
     @staticmethod
     def _kv_deadline(seq_id: int, target: int, needed: int, ctx: dict[str, Any]) -> Status:
@@ -607,6 +683,8 @@ class KvCoordinator:
         try:
             with self._kv_call_mu:
                 rc = 0 if self._kv_closed else self.kv.release(seq_id)
+                if rc == 0:
+                    self._applied.pop(seq_id, None)
         except BaseException:
             self._unclaim(seq_id, claim)
             raise

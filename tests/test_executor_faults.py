@@ -122,11 +122,15 @@ def test_fi04_kv_shortage_waits_on_condition_until_deadline(calbin):
         cpu, wall = own.spent(cpu0, own.now()), time.monotonic() - wall0
         assert isinstance(res, Status) and res.code == "kv.deadline" and res.http_status == 429
         assert wall >= 0.35  # (a floor: the wait lasted to its deadline)
-        # no polling: canAllocate asked once, Apply never called, one wait (its deadline
-        # ended it: no wake-up before)
-        assert fired(ex, "CAN_ALLOCATE_FALSE") == 1
+        # no polling: the host's books show the KV free, so the refusal is the runtime's
+        # (§8 TRANSIENT, reported once: ``kv.refused``) and is retried after a back-off a
+        # bounded number of times (``kv_refusal_retries``), then one wait its deadline ended;
+        # Apply never called
+        retries = ex.config.recovery.kv_refusal_retries
+        assert fired(ex, "CAN_ALLOCATE_FALSE") == 1 + retries
         assert ex.kvc.apply_calls == applies
-        assert ex.kvc.wakeups == wakeups + 1
+        assert ex.kvc.wakeups == wakeups + 1 + retries
+        assert [r.code for r in ex.faults.reports] == ["kv.refused"]
         # an idle wait: the own threads' CPU is what the enqueue took, a busy loop would burn
         # the whole interval (a load only takes CPU from them; others' threads not counted)
         assert cpu < wall / 2, (cpu, wall)

@@ -915,8 +915,10 @@ def lifecycle_scenarios(calbins):
     # Configuring -> Stopped (shutdown before start: nothing was opened)
     ex = DeviceExecutor(CalRT.load(), manifest, ExecutorConfig(calbin_path=calbins["main"]))
     assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"
-    # Warming -> Stopped (a shutdown stops a recovery's golden run, here waiting for KV)
-    with running_executor(calbins["main"]) as ex:
+    # Warming -> Stopped (a shutdown stops a recovery's golden run, here waiting for KV:
+    # with no retry of a refusal, one refusal leaves it waiting for a release)
+    with running_executor(calbins["main"],
+                          recovery=RecoveryPolicy(kv_refusal_retries=0)) as ex:
         arm(ex, "CCU_EXCEPTION")
         arm(ex, "CAN_ALLOCATE_FALSE", param=2)  # the request's reserve, then the golden's
         assert isinstance(ex.enqueue(prefill(1, PROMPT)).wait_until(deadline()), Status)

@@ -28,6 +28,7 @@ from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E40
 from calexec.drivers.synthetic import calbin  # noqa: E402
 from calexec.machines.clock import Clock  # noqa: E402
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
+from calexec.machines.faults import RecoveryPolicy  # noqa: E402
 from test_ops_sweep import serve_process, stopped  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
@@ -46,7 +47,8 @@ def test_a_drain_that_meets_a_recovery_warming_up_ends_stopped(tmp_path):
     arrives. The shutdown stops the golden run, nothing is left on the device, and the
     lifecycle ended ``Failed`` all the same (``calexec serve``: exit 3, as for a broken
     device, for a deploy that met a recovery); now it ends ``Stopped`` and the drain is OK."""
-    executor = started_executor(tmp_path)
+    # no retry of a refusal: one refusal leaves the golden waiting for a release
+    executor = started_executor(tmp_path, recovery=RecoveryPolicy(kv_refusal_retries=0))
     app = create_app(executor, ServerConfig(admin_token=TOKEN))
     service = app.state.service
     try:
