@@ -166,8 +166,10 @@ class JobOutcomes:
         if not job.uncounted:
             self.count(status)
         # a guess nobody asked for is not reported either: the request, if it comes, is
-        # admitted the ordinary way and meets the same fault (plain path: reported once)
-        if not job.internal and not job.uncounted and is_fault(status):
+        # admitted the ordinary way and meets the same fault (plain path: reported once).
+        # A golden job's is (a recovery's golden run meeting a refused CSR write): its fault
+        # on the device was, and the one before submit had no line and no count
+        if not job.uncounted and is_fault(status):
             self.faults.report(status, job)  # first: admission stops before the caller sees it
         job.resolve(status)
         self.dispatch.released(job)  # an armed job taken by this thread: its sequence is free

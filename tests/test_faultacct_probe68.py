@@ -6,6 +6,12 @@
    answered 429 ``kv.deadline``, and the refusal was neither logged nor counted as a fault.
    A refusal of blocks the host's books show free is the runtime's (§8 TRANSIENT), not a
    shortage: reported once, retried after a back-off, a bounded number of times.
+3. A recovery's golden run whose CSR write the runtime refused (``UNKNOWN_CSR``: rc 4,
+   ``calrt.csr_failed``, §8 ARTIFACT) before its job reached the device: the lifecycle
+   refused that generation and configured another, but the fault controller was never told
+   (a golden job's failure before submit was not reported), so the fault had no line in the
+   log and no count in ``calexec_device_faults_total``, where the same golden job's fault on
+   the device (a CCU exception) had both.
 
 Bundled emulator, seeded fault plans; every wait bounded; no timing threshold.
 """
@@ -19,7 +25,15 @@ import pytest
 
 from calexec.contracts.status import Status
 from calexec.machines.faults import FaultController
-from executor_harness import arm, deadline, fired, prefill, running_executor, write_calbin
+from executor_harness import (
+    arm,
+    deadline,
+    fired,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
 
 PROMPT = [1, 2, 3, 4]
 
@@ -86,3 +100,25 @@ def test_a_real_shortage_is_no_fault_and_waits_for_the_release(calbin, caplog):
         assert ex.kvc.wakeups == wakeups + 1  # one wait, ended by its deadline
         assert ex.faults.reported() == []
         assert _kv_fault_lines(caplog) == []
+
+
+def test_a_refused_csr_write_of_a_recoverys_golden_run_is_reported_once(calbin, caplog):
+    """The request's job meets a CCU exception; the recovery's golden prefill (sequence 0 of
+    generation 2) meets the refused CSR write: the recovery configures generation 3, and the
+    refusal is one fault line with its raw code 4, counted once."""
+    caplog.set_level(logging.INFO, logger="calexec")
+    with running_executor(calbin) as ex:
+        arm(ex, "CCU_EXCEPTION")
+        arm(ex, "UNKNOWN_CSR", param=3)  # the request's two CSR writes, then the golden's
+        res = ex.enqueue(prefill(1, PROMPT, seconds=5.0)).wait_until(deadline(30))
+        assert isinstance(res, Status) and res.code == "device.ccu_exception", res
+        until(lambda: ex.recoveries and ex.state == "Ready", 30, "the recovery's end")
+        assert fired(ex, "UNKNOWN_CSR") == 1
+        (record,) = ex.recoveries
+        assert record["ok"] and record["refused"] == ["calrt.csr_failed"], record
+        assert ex.faults.reported() == [("artifact", "calrt.csr_failed", 4, 1),
+                                        ("device", "device.ccu_exception", None, 1)]
+        lines = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"
+                 and "fault calrt.csr_failed" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "seq_id=0 generation=2 raw=4" in lines[0], lines
