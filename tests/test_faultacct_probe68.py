@@ -57,7 +57,7 @@ def test_a_one_off_kv_refusal_on_an_idle_device_is_retried_and_counted_once(calb
     with running_executor(calbin) as ex:
         assert isinstance(ex.faults, FaultController)
         arm(ex, point)  # the next call of the point says no, once
-        res = ex.enqueue(prefill(1, PROMPT, seconds=5.0)).wait_until(deadline(30))
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(30))
         assert not isinstance(res, Status), res
         assert fired(ex, point) == 1
         assert ex.faults.reported() == [("transient", "kv.refused", None, 1)]
@@ -78,7 +78,8 @@ def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times_then_waits
         retries = ex.config.recovery.kv_refusal_retries
         arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")
         applies = ex.kvc.apply_calls
-        res = ex.enqueue(prefill(1, PROMPT, seconds=0.5)).wait_until(deadline(30))
+        # (2 s: the retries, milliseconds apart, all come before it on a loaded host)
+        res = ex.enqueue(prefill(1, PROMPT, seconds=2.0)).wait_until(deadline(30))
         assert isinstance(res, Status) and res.code == "kv.deadline", res
         assert fired(ex, "CAN_ALLOCATE_FALSE") == 1 + retries
         assert ex.kvc.apply_calls == applies
