@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
 
-from calexec.drivers.serving.metrics import STAGE_BUCKETS, TOKEN_BUCKETS, LeanHistogram
+from calexec.drivers.serving.metrics import STAGE_BUCKETS, TOKEN_BUCKETS, LeanGroup, LeanHistogram
 
 EDGES = [0.0, -0.0, -1.0, 1e-5, 1e-5 * (1 + 1e-15), 0.000025, 10.0, 10.000001, 1e300,
          math.inf, -math.inf, math.nan, 3, 1024, 2**60]
@@ -126,3 +126,16 @@ def test_refusals_name_the_histogram() -> None:
     LeanHistogram("calexec_z", "d", buckets=(1.0,), registry=reg)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         Histogram("calexec_z", "d", buckets=(1.0,), registry=reg)
+
+
+def test_a_group_of_series_with_locks_of_their_own_is_refused() -> None:
+    """A :class:`LeanGroup` takes one lock for all its series: series that another lock
+    guards (their families made without a shared ``lock``) would be counted unguarded."""
+    shared = threading.Lock()
+    ok = [LeanHistogram(f"calexec_g{i}", "d", ["kind"], buckets=(1.0,), lock=shared).labels("x")
+          for i in range(2)]
+    LeanGroup(ok).observe_ms([500.0, None])
+    with pytest.raises(ValueError, match="must share one lock: 2 locks among 2 series"):
+        LeanGroup([LeanHistogram(f"calexec_h{i}", "d", buckets=(1.0,)).labels()
+                   for i in range(2)])
+    assert ok[0].state() == ([1, 0], 0.5) and ok[1].state() == ([0, 0], 0.0)

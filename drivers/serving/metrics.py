@@ -556,11 +556,12 @@ class LeanChild:
 
     __slots__ = ("_bounds", "_counts", "_sum", "_lock", "created")
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
+    def __init__(self, bounds: tuple[float, ...], lock: threading.Lock | None = None) -> None:
+        """``lock``: the lock it takes (its family's shared one; None: a lock of its own)."""
         self._bounds = bounds
         self._counts = [0] * len(bounds)
         self._sum = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self.created = time.time()
 
     def observe(self, amount: float) -> None:
@@ -578,6 +579,38 @@ class LeanChild:
             return list(self._counts), self._sum
 
 
+class LeanGroup:
+    """Series of :class:`LeanHistogram` families that share one lock (``LeanHistogram(...,
+    lock=)``), observed together: one lock taken for all of them, each amount counted as
+    :meth:`LeanChild.observe` counts it. ``ServerMetrics.observe_job`` observes a job's six
+    stage spans and its time per output token this way (once per job on the decode burst's
+    thread: one lock where it took seven; issue 28, stop 68;
+    ``tests/test_metrics_job_observe.py`` against the plain path)."""
+
+    __slots__ = ("_lock", "_children")
+
+    def __init__(self, children: Sequence[LeanChild]) -> None:
+        locks = {id(child._lock) for child in children}
+        if len(locks) != 1:
+            raise ValueError(f"a LeanGroup's series must share one lock: {len(locks)} locks "
+                             f"among {len(children)} series (give their families one lock)")
+        self._lock = children[0]._lock
+        self._children = tuple(children)
+
+    def observe_ms(self, amounts_ms: Sequence[float | None]) -> None:
+        """Observe ``amounts_ms[i] / 1000.0`` (ms as seconds) in series ``i`` of the group,
+        for each amount that is not None; amounts past the group's last series are not
+        observed (a group without a decode's tpot series ignores that amount)."""
+        with self._lock:
+            for child, ms in zip(self._children, amounts_ms, strict=False):
+                if ms is None:
+                    continue
+                amount = ms / 1000.0
+                child._sum += amount
+                if amount == amount:  # (NaN is <= no bound)
+                    child._counts[bisect.bisect_left(child._bounds, amount)] += 1
+
+
 class LeanHistogram(Collector):
     """A histogram family exported exactly as prometheus_client's ``Histogram`` exports it
     (same name, help, buckets, label order, cumulative ``_bucket`` series, ``_count``,
@@ -587,8 +620,10 @@ class LeanHistogram(Collector):
     prometheus_client's for the same observations. Nothing removes a child."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
-                 buckets: Sequence[float] = (), registry: CollectorRegistry | None = None
-                 ) -> None:
+                 buckets: Sequence[float] = (), registry: CollectorRegistry | None = None,
+                 lock: threading.Lock | None = None) -> None:
+        """``lock``: one lock every series of the family takes (families observed together
+        share one, :class:`LeanGroup`); None: a lock of its own for each series."""
         bounds = [float(b) for b in buckets]
         if not bounds or bounds != sorted(bounds):
             raise ValueError(f"histogram {name}: buckets {list(buckets)} must be given in "
@@ -601,8 +636,9 @@ class LeanHistogram(Collector):
         self._les = tuple(floatToGoString(b) for b in bounds)
         self._children: dict[tuple[str, ...], LeanChild] = {}
         self._lock = threading.Lock()
+        self._series_lock = lock
         if not self.labelnames:
-            self._children[()] = LeanChild(self._bounds)
+            self._children[()] = LeanChild(self._bounds, lock)
         if registry is not None:
             registry.register(self)
 
@@ -615,7 +651,7 @@ class LeanHistogram(Collector):
         with self._lock:
             child = self._children.get(key)
             if child is None:
-                child = self._children[key] = LeanChild(self._bounds)
+                child = self._children[key] = LeanChild(self._bounds, self._series_lock)
             return child
 
     def observe(self, amount: float) -> None:
@@ -652,6 +688,11 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+#: the ``calexec_job_*_seconds`` stages in the order ``ServerMetrics.observe_job`` gives a
+#: job's spans to its :class:`LeanGroup` (a decode job's time per output token after them)
+_JOB_SPANS = ("admission_wait", "queue_wait", "device_wait", "h2d", "d2h", "postprocess")
+
+
 class ServerMetrics:
     """The server's metrics in a registry of their own."""
 
@@ -678,15 +719,18 @@ class ServerMetrics:
         self.ttft = LeanHistogram("calexec_time_to_first_token_seconds",
                               "Request arrival to the prefill job's completion.",
                               buckets=TTFT_BUCKETS, registry=reg)
+        # a job's stage spans and time per output token are observed together, one lock for
+        # the job (observe_job, once per job on the decode burst's thread; stop 68)
+        job_lock = threading.Lock()
         self.tpot = LeanHistogram("calexec_time_per_output_token_seconds",
                               "Decode job, accepted to completed.", buckets=TPOT_BUCKETS,
-                              registry=reg)
+                              registry=reg, lock=job_lock)
         self.e2e = LeanHistogram("calexec_e2e_request_latency_seconds",
                              "Request arrival to its last token.", buckets=E2E_BUCKETS,
                              registry=reg)
         self.stages = {
             name: LeanHistogram(f"calexec_job_{name}_seconds", doc, ["kind"], buckets=STAGE_BUCKETS,
-                            registry=reg)
+                            registry=reg, lock=job_lock)
             for name, doc in (("admission_wait", "Accepted to KV and token budget obtained."),
                               ("queue_wait", "Queued to infer() accepted (queue deadline span)."),
                               ("device_wait", "Time spent in Wait()."),
@@ -695,10 +739,13 @@ class ServerMetrics:
                               ("postprocess", "Output checks and BF16->FP32 conversion."))
         }
         # every family shows (count 0) before its first observation; the labelled children are
-        # kept, so a job's observations look no label up (one per token, issue 28)
-        self._stage_of: dict[TaskKind, list[tuple[str, LeanChild]]] = {
-            kind: [(name, histogram.labels(kind.name.lower()))
-                   for name, histogram in self.stages.items()] for kind in TaskKind}
+        # kept, so a job's observations look no label up (one per token, issue 28): a kind's
+        # series in observe_job's order (_JOB_SPANS' stages, then a decode's tpot)
+        self._job_series: dict[TaskKind, LeanGroup] = {
+            kind: LeanGroup([*(self.stages[name].labels(kind.name.lower())
+                               for name in _JOB_SPANS),
+                             *([self.tpot.labels()] if kind == TaskKind.DECODE else [])])
+            for kind in TaskKind}
         model = ["model_name"]
         self.api_requests = _WithModel(Counter(
             "calexec_api_requests", "Completion and chat HTTP requests by outcome, each once "
@@ -751,18 +798,11 @@ class ServerMetrics:
         the device measured them (> 0; the emulator does, ``OutputBuf.copy_ms``): CalRT 0.7.6
         gives the host no copy timing (the copies run inside the job, part of
         ``device_wait``), and JobTimings' 0 means "not measured", never an instant copy."""
-        spans = {"admission_wait": timings.admission_wait_ms(),
-                 "queue_wait": timings.queue_wait_ms(), "device_wait": timings.device_wait_ms,
-                 "h2d": timings.h2d_ms or None, "d2h": timings.d2h_ms or None,
-                 "postprocess": timings.postprocess_ms}
-        for name, child in self._stage_of[kind]:
-            ms = spans[name]
-            if ms is not None:
-                child.observe(ms / 1000.0)
-        if kind == TaskKind.DECODE:
-            total = timings.total_ms()
-            if total is not None:
-                self.tpot.observe(total / 1000.0)
+        # (the spans in _JOB_SPANS' order; one lock for the job's seven observations)
+        self._job_series[kind].observe_ms((
+            timings.admission_wait_ms(), timings.queue_wait_ms(), timings.device_wait_ms,
+            timings.h2d_ms or None, timings.d2h_ms or None, timings.postprocess_ms,
+            timings.total_ms() if kind == TaskKind.DECODE else None))
 
     def observe_refusal(self, status: Status) -> None:
         """A failure the route counts (not a choice's end): the request is ``refused`` in
