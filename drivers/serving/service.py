@@ -1169,6 +1169,18 @@ class CompletionService:
         token, logprobs = sampling.pick(*args)
         return self._take(run, token, logprobs)
 
+    def _accept_plain(self, run: RequestRun, result: Any) -> int | None:
+        """``_accept`` for a plain greedy run (every decode burst's run, ``_burstable``; its
+        sampling parameters are fixed before its first job): the executor's argmax is the
+        token, no log-probabilities, as ``sampling.pick`` returns them for plain greedy
+        parameters, without ``pick``'s look at the parameters once per job (issue 28, stop
+        68; the bursts against the plain path: ``tests/test_server_inline_waits.py``). Runs
+        on a burst's thread under ``run.mu``."""
+        self._observe(run, result)
+        argmax = result.argmax
+        token = int(np.argmax(result.logits)) if argmax is None else int(argmax)
+        return self._take(run, token, None)
+
     def _take(self, run: RequestRun, token: int, logprobs: Any) -> int | None:
         """The chosen ``token`` of a job, appended: None when it ends the generation (the end
         token or a stop token id, ``run.stop_token``: generated, so counted in ``usage``,
@@ -1383,7 +1395,7 @@ class CompletionService:
                 with run.mu:
                     if run.closed or run.burst_cut:
                         break
-                    token = self._accept(run, result)
+                    token = self._accept_plain(run, result)
                     steps += 1
                     if token is not None:
                         run.burst.append(token)
