@@ -275,6 +275,15 @@ class JobTimings:
         """Accepted -> completed."""
         return self._span_ms(self.accepted_us, self.completed_us)
 
+    def spans_ms(self) -> tuple[float | None, float | None, float | None]:
+        """(``admission_wait_ms()``, ``queue_wait_ms()``, ``total_ms()``) in one call: the
+        server observes them once per job, on the decode burst's thread (issue 28)."""
+        accepted, submitted = self.accepted_us, self.submitted_us
+        admitted, queued, completed = self.admitted_us, self.queued_us, self.completed_us
+        return ((admitted - accepted) / 1000.0 if accepted and admitted else None,
+                (submitted - queued) / 1000.0 if queued and submitted else None,
+                (completed - accepted) / 1000.0 if accepted and completed else None)
+
     def to_dict(self) -> dict[str, float | int | None]:
         out: dict[str, float | int | None] = attrs.asdict(self)
         out.update(admission_wait_ms=self.admission_wait_ms(), queue_wait_ms=self.queue_wait_ms(),

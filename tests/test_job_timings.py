@@ -25,12 +25,14 @@ adopted by ``enqueue``) is a separate finding: see
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
+from calexec.contracts.types import JobTimings
 from calexec.drivers.calrt.runtime import Device, OutputBuf
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.job import InferenceResult
@@ -312,3 +314,15 @@ def test_server_histograms_observe_each_job_once(tmp_path):
         assert snap1["cancelled"] == snap0["cancelled"] and snap1["failed"] == snap0["failed"]
     finally:
         ex.shutdown(5.0)
+
+
+def test_spans_ms_are_the_three_span_methods() -> None:
+    """``JobTimings.spans_ms()`` (one call for ``ServerMetrics.observe_job``, stop 68) is
+    (``admission_wait_ms()``, ``queue_wait_ms()``, ``total_ms()``) for stamps reached or not
+    (0), in any order, equal or not."""
+    rng = random.Random(68)
+    for _ in range(5000):
+        stamps = {name: rng.choice([0, 1, rng.randrange(1, 10**12)]) for name in (
+            "accepted_us", "admitted_us", "queued_us", "submitted_us", "completed_us")}
+        t = JobTimings(**stamps)
+        assert t.spans_ms() == (t.admission_wait_ms(), t.queue_wait_ms(), t.total_ms()), stamps

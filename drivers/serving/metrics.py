@@ -798,11 +798,12 @@ class ServerMetrics:
         the device measured them (> 0; the emulator does, ``OutputBuf.copy_ms``): CalRT 0.7.6
         gives the host no copy timing (the copies run inside the job, part of
         ``device_wait``), and JobTimings' 0 means "not measured", never an instant copy."""
-        # (the spans in _JOB_SPANS' order; one lock for the job's seven observations)
+        # (the spans in _JOB_SPANS' order, then the total: a decode job's time per output
+        # token, which the group of another kind does not observe; one lock for the job)
+        admission_wait, queue_wait, total = timings.spans_ms()
         self._job_series[kind].observe_ms((
-            timings.admission_wait_ms(), timings.queue_wait_ms(), timings.device_wait_ms,
-            timings.h2d_ms or None, timings.d2h_ms or None, timings.postprocess_ms,
-            timings.total_ms() if kind == TaskKind.DECODE else None))
+            admission_wait, queue_wait, timings.device_wait_ms, timings.h2d_ms or None,
+            timings.d2h_ms or None, timings.postprocess_ms, total))
 
     def observe_refusal(self, status: Status) -> None:
         """A failure the route counts (not a choice's end): the request is ``refused`` in
