@@ -23,39 +23,10 @@ import threading
 import httpx
 import pytest
 
-from test_ops_sweep import serve_process, stopped
+from test_ops_sweep import killed, serve_process, stopped, stream_in_thread
 from test_server_support import started_executor, wait_for
 
 TOKEN = "op-token"
-
-
-def stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
-                                                          list[bytes]]:
-    """A streamed completion from a worker thread: (thread, first event seen, the lines)."""
-    first = threading.Event()
-    lines: list[bytes] = []
-
-    def run() -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              json={"prompt": [5, 6], "max_tokens": max_tokens,
-                                    "stream": True}) as r:
-                for line in r.iter_lines():
-                    lines.append(line.encode())
-                    first.set()
-        except httpx.HTTPError:
-            pass  # cut
-        finally:
-            first.set()
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    return worker, first, lines
-
-
-def killed(proc) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate(timeout=10)
 
 
 def test_sighup_drains_as_sigterm_does_and_exits_0(tmp_path):

@@ -269,6 +269,35 @@ def stopped(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
     return proc.returncode, err
 
 
+def stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
+                                                          list[bytes]]:
+    """A streamed completion from a worker thread: (thread, first event seen, the lines)."""
+    first = threading.Event()
+    lines: list[bytes] = []
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              json={"prompt": [5, 6], "max_tokens": max_tokens,
+                                    "stream": True}) as r:
+                for line in r.iter_lines():
+                    lines.append(line.encode())
+                    first.set()
+        except httpx.HTTPError:
+            pass  # cut
+        finally:
+            first.set()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return worker, first, lines
+
+
+def killed(proc) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate(timeout=10)
+
+
 def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
     """The first SIGTERM drains; a second one forces the exit, cutting what still runs: that
     is no clean drain (exit 0), it exits 3 naming the requests it cut."""
