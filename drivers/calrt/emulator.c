@@ -99,6 +99,37 @@ int32_t emu_unlock_rc(emu_device *dev, int32_t rc)
     return rc;
 }
 
+/* Look up a handle and lock its device, keeping the registry locked, for a destroy that removes
+ * the handle; NULL (and nothing held) for NULL/stale/wrong-type handles. destroy_done lets go. */
+static void *acquire_for_destroy(const void *h, uint32_t type)
+{
+    pthread_mutex_lock(&g_reg_mu);
+    emu_obj *o = (emu_obj *)reg_get(h, type);
+    if (!o) {
+        pthread_mutex_unlock(&g_reg_mu);
+        return NULL;
+    }
+    pthread_mutex_lock(&o->dev->mu);
+    return o;
+}
+
+/* The end of a destroy begun by acquire_for_destroy: busy (the object is in use) refuses it. */
+static int32_t destroy_done(emu_device *dev, int busy)
+{
+    pthread_mutex_unlock(&g_reg_mu);
+    return emu_unlock_rc(dev, busy ? CALRT_ERR_DEVICE_BUSY : CALRT_SUCCESS);
+}
+
+/* Take node out of the singly linked list whose first pointer is head (a no-op when absent). */
+#define LIST_UNLINK(type, head, node)                            \
+    do {                                                         \
+        for (type **pp_ = &(head); *pp_; pp_ = &(*pp_)->next)    \
+            if (*pp_ == (node)) {                                \
+                *pp_ = (node)->next;                             \
+                break;                                           \
+            }                                                    \
+    } while (0)
+
 /* ---- knobs and config ------------------------------------------------------------------ */
 
 #define KNOB(field, lo, hi, open) { #field, offsetof(emu_knobs, field), lo, hi, open }
@@ -607,14 +638,10 @@ int32_t calrt_calbin_load(calrt_device *h, const char *path, calrt_calbin **out)
 
 int32_t calrt_calbin_unload(calrt_calbin *h)
 {
-    pthread_mutex_lock(&g_reg_mu);
-    emu_calbin *cb = (emu_calbin *)reg_get(h, OBJ_CALBIN);
-    if (!cb) {
-        pthread_mutex_unlock(&g_reg_mu);
+    emu_calbin *cb = (emu_calbin *)acquire_for_destroy(h, OBJ_CALBIN);
+    if (!cb)
         return CALRT_ERR_INVALID_VALUE;
-    }
     emu_device *dev = cb->h.dev;
-    pthread_mutex_lock(&dev->mu);
     int busy = dev->configured == cb || (dev->kv && dev->kv->cb == cb);
     for (emu_inbuf *b = dev->inbufs; b; b = b->next)
         busy |= b->m->cb == cb;
@@ -624,15 +651,10 @@ int32_t calrt_calbin_unload(calrt_calbin *h)
         reg_remove(&cb->h);
         for (int i = 0; i < cb->n_models; i++)
             reg_remove(&cb->models[i].h);
-        for (emu_calbin **pp = &dev->calbins; *pp; pp = &(*pp)->next)
-            if (*pp == cb) {
-                *pp = cb->next;
-                break;
-            }
+        LIST_UNLINK(emu_calbin, dev->calbins, cb);
         free(cb);
     }
-    pthread_mutex_unlock(&g_reg_mu);
-    return emu_unlock_rc(dev, busy ? CALRT_ERR_DEVICE_BUSY : CALRT_SUCCESS);
+    return destroy_done(dev, busy);
 }
 
 int32_t calrt_configure(calrt_device *h, calrt_calbin *cbh)
@@ -832,51 +854,33 @@ int32_t calrt_outputbuf_create(calrt_model *h, calrt_outputbuf **out)
 
 int32_t calrt_inputbuf_destroy(calrt_inputbuf *h)
 {
-    pthread_mutex_lock(&g_reg_mu);
-    emu_inbuf *b = (emu_inbuf *)reg_get(h, OBJ_INBUF);
-    if (!b) {
-        pthread_mutex_unlock(&g_reg_mu);
+    emu_inbuf *b = (emu_inbuf *)acquire_for_destroy(h, OBJ_INBUF);
+    if (!b)
         return CALRT_ERR_INVALID_VALUE;
-    }
     emu_device *dev = b->h.dev;
-    pthread_mutex_lock(&dev->mu);
     int busy = b->inflight > 0;
     if (!busy) {
         reg_remove(&b->h);
-        for (emu_inbuf **pp = &dev->inbufs; *pp; pp = &(*pp)->next)
-            if (*pp == b) {
-                *pp = b->next;
-                break;
-            }
+        LIST_UNLINK(emu_inbuf, dev->inbufs, b);
         free(b);
     }
-    pthread_mutex_unlock(&g_reg_mu);
-    return emu_unlock_rc(dev, busy ? CALRT_ERR_DEVICE_BUSY : CALRT_SUCCESS);
+    return destroy_done(dev, busy);
 }
 
 int32_t calrt_outputbuf_destroy(calrt_outputbuf *h)
 {
-    pthread_mutex_lock(&g_reg_mu);
-    emu_outbuf *b = (emu_outbuf *)reg_get(h, OBJ_OUTBUF);
-    if (!b) {
-        pthread_mutex_unlock(&g_reg_mu);
+    emu_outbuf *b = (emu_outbuf *)acquire_for_destroy(h, OBJ_OUTBUF);
+    if (!b)
         return CALRT_ERR_INVALID_VALUE;
-    }
     emu_device *dev = b->h.dev;
-    pthread_mutex_lock(&dev->mu);
     int busy = b->job != NULL || b->waiters > 0;
     if (!busy) {
         reg_remove(&b->h);
-        for (emu_outbuf **pp = &dev->outbufs; *pp; pp = &(*pp)->next)
-            if (*pp == b) {
-                *pp = b->next;
-                break;
-            }
+        LIST_UNLINK(emu_outbuf, dev->outbufs, b);
         free(b->devmem);
         free(b);
     }
-    pthread_mutex_unlock(&g_reg_mu);
-    return emu_unlock_rc(dev, busy ? CALRT_ERR_DEVICE_BUSY : CALRT_SUCCESS);
+    return destroy_done(dev, busy);
 }
 
 static int32_t map_check(emu_device *dev, const emu_tensor *t, int32_t dtype, void *host, uint64_t size)
@@ -990,6 +994,15 @@ int32_t calrt_inputbuf_set_csr(calrt_inputbuf *h, const char *name, int64_t valu
 
 /* ---- KV manager ---------------------------------------------------------------------------- */
 
+/* Free a KV manager and its sequences' states (also a half-built one: seqs may be NULL). */
+static void kv_free(emu_kv *kv)
+{
+    for (int32_t i = 0; kv->seqs && i < kv->max_seqs; i++)
+        free(kv->seqs[i].states);
+    free(kv->seqs);
+    free(kv);
+}
+
 int32_t calrt_kv_create(calrt_device *h, calrt_calbin *cbh, calrt_kv **out)
 {
     if (!out)
@@ -1028,10 +1041,7 @@ int32_t calrt_kv_create(calrt_device *h, calrt_calbin *cbh, calrt_kv **out)
     }
     pthread_mutex_unlock(&g_reg_mu);
     if (rc != CALRT_SUCCESS && kv) {
-        for (int32_t i = 0; kv->seqs && i < kv->max_seqs; i++)
-            free(kv->seqs[i].states);
-        free(kv->seqs);
-        free(kv);
+        kv_free(kv);
     } else if (rc == CALRT_SUCCESS) {
         dev->kv = kv;
         *out = (calrt_kv *)(uintptr_t)kv->h.handle;
@@ -1041,25 +1051,17 @@ int32_t calrt_kv_create(calrt_device *h, calrt_calbin *cbh, calrt_kv **out)
 
 int32_t calrt_kv_destroy(calrt_kv *h)
 {
-    pthread_mutex_lock(&g_reg_mu);
-    emu_kv *kv = (emu_kv *)reg_get(h, OBJ_KV);
-    if (!kv) {
-        pthread_mutex_unlock(&g_reg_mu);
+    emu_kv *kv = (emu_kv *)acquire_for_destroy(h, OBJ_KV);
+    if (!kv)
         return CALRT_ERR_INVALID_VALUE;
-    }
     emu_device *dev = kv->h.dev;
-    pthread_mutex_lock(&dev->mu);
     int busy = kv->inflight > 0;
     if (!busy) {
         reg_remove(&kv->h);
-        for (int32_t i = 0; i < kv->max_seqs; i++)
-            free(kv->seqs[i].states);
-        free(kv->seqs);
-        free(kv);
+        kv_free(kv);
         dev->kv = NULL;
     }
-    pthread_mutex_unlock(&g_reg_mu);
-    return emu_unlock_rc(dev, busy ? CALRT_ERR_DEVICE_BUSY : CALRT_SUCCESS);
+    return destroy_done(dev, busy);
 }
 
 int32_t calrt_kv_geometry(calrt_kv *h, uint32_t *block_size, uint32_t *capacity_blocks, uint32_t *free_blocks,
