@@ -362,6 +362,25 @@ def _filled(chart: CompiledChart, active: tuple[str, ...]) -> frozenset[str]:
     return frozenset(name for name in active if name not in held)
 
 
+def _node_line(chart: CompiledChart, state: str, active: frozenset[str], visited: set[str],
+               notes: Mapping[str, str]) -> str:
+    """The DOT line of ``state``: a double ring when final, filled when active, drawn in
+    ``PATH_COLOR`` when on the path, its ``notes`` text inside it (flat and nested charts)."""
+    attrs_ = []
+    if state in chart.finals:
+        attrs_.append("peripheries=2")
+    if state in active:
+        attrs_.append(f"fillcolor={ACTIVE_FILL}")
+    if state in visited:
+        attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
+    label = _q(_state_text(chart, state))
+    if state in notes:  # inside the node, so it cannot be mistaken for another's
+        lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
+                        "</FONT>" for line in notes[state].split("\n"))
+        label = f"<{html.escape(_state_text(chart, state))}{lines}>"
+    return f"{_id(state)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
+
+
 def render_chart_dot(chart: ChartLike, active_state: str | Iterable[str] | None = None,
                      taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
     """Deterministic DOT of one chart (a chart class or its ``CompiledChart``);
@@ -382,19 +401,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | Iterable[str] | None 
     out = _dot_header(chart)
 
     def node(state: str) -> str:
-        attrs_ = []
-        if state in chart.finals:
-            attrs_.append("peripheries=2")
-        if state in active:
-            attrs_.append(f"fillcolor={ACTIVE_FILL}")
-        if state in visited:
-            attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
-        label = _q(_state_text(chart, state))
-        if state in notes:  # inside the node, so it cannot be mistaken for another's
-            lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
-                            "</FONT>" for line in notes[state].split("\n"))
-            label = f"<{html.escape(_state_text(chart, state))}{lines}>"
-        return f"{_id(state)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
+        return _node_line(chart, state, active, visited, notes)
 
     placed: set[str] = set()
 
@@ -484,19 +491,7 @@ def _render_nested_dot(chart: CompiledChart, active: frozenset[str], taken: froz
         return _pseudo(chart, f"{state_id}__anchor")
 
     def node(state_id: str) -> str:
-        attrs_ = []
-        if state_id in chart.finals:
-            attrs_.append("peripheries=2")
-        if state_id in active:
-            attrs_.append(f"fillcolor={ACTIVE_FILL}")
-        if state_id in visited:
-            attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
-        label = _q(_state_text(chart, state_id))
-        if state_id in notes:
-            lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
-                            "</FONT>" for line in notes[state_id].split("\n"))
-            label = f"<{html.escape(_state_text(chart, state_id))}{lines}>"
-        return f"{_id(state_id)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state_id)}'] + attrs_)}];"
+        return _node_line(chart, state_id, active, visited, notes)
 
     def emit(state: Any, indent: str) -> None:
         if not state.states:
