@@ -70,27 +70,27 @@ def _plots(report: dict[str, Any], directory: str) -> list[str]:
             sample = f"n={len(values)}" if total == len(values) else \
                 f"uniform sample of {len(values)} of {total} jobs"
             ax.hist(values, bins=60, histtype="step", label=f"{label} ({sample})", log=True)
-        ax.set_xlabel("job latency, accepted -> completed (ms)")
-        ax.set_ylabel("jobs")
-        ax.set_title("per-job latency distribution", fontsize=10, loc="left")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(directory, LATENCY_PNG)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, ax, "job latency, accepted -> completed (ms)", "jobs",
+                             "per-job latency distribution", os.path.join(directory, LATENCY_PNG)))
     rss = {k: v for k, v in report["series"]["rss_mib"].items() if v}
     if rss:
         fig, ax = plt.subplots(figsize=(9, 4))
         for phase, points in sorted(rss.items()):
             ax.plot([p[0] for p in points], [p[1] for p in points], label=f"soak phase {phase}")
-        ax.set_xlabel("seconds since the soak started")
-        ax.set_ylabel("RSS (MiB)")
-        ax.set_title("resident set size over the soak", fontsize=10, loc="left")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(directory, RSS_PNG)
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, ax, "seconds since the soak started", "RSS (MiB)",
+                             "resident set size over the soak", os.path.join(directory, RSS_PNG)))
     return written
+
+
+def _save(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, path: str) -> str:
+    """Label ``ax``, write ``fig`` to ``path`` (PNG, 100 dpi) and close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
