@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -25,68 +24,27 @@ from prometheus_client.parser import text_string_to_metric_families
 from calexec.contracts.manifest import default_manifest_path
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.service import CUT_IDS_LOGGED
-from test_ops_sweep import serve_process, stopped
+from test_ops_sweep import (
+    killed,
+    serve_process,
+    stopped,
+    stream_cut_at_a_stop,
+    stream_in_thread,
+)
 from test_server_handoff import through_ingress
 from test_server_support import metric_value, server_idle, started_executor, wait_for
 
 
-def stream_with_id(url: str, request_id: str, max_tokens: int) -> tuple[threading.Thread,
-                                                                         threading.Event]:
-    """A streamed completion carrying ``X-Request-Id: request_id`` from a worker thread:
-    (thread, first event seen)."""
-    first = threading.Event()
-
-    def run() -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                              headers={"X-Request-Id": request_id},
-                              json={"prompt": [5, 6], "max_tokens": max_tokens,
-                                    "stream": True}) as r:
-                for _ in r.iter_lines():
-                    first.set()
-        except httpx.HTTPError:
-            pass  # cut
-        finally:
-            first.set()
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    return worker, first
-
-
-def killed(proc) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate(timeout=10)
-
-
 def test_a_drains_cut_names_the_request_ids_it_cut(tmp_path):
-    proc, url = serve_process(tmp_path, "--grace", "0.5", "--device-config", "decode_us=20000")
-    try:
-        worker, first = stream_with_id(url, "client-report-17", 1000)  # past the grace
-        assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        code, err = stopped(proc)
-        worker.join(10)
-    finally:
-        killed(proc)
+    code, err, _ = stream_cut_at_a_stop(tmp_path, forced=False,
+                                        request_id="client-report-17")  # past the grace
     assert code == 0, err
     assert ("drain: grace 0.5s over, 1 request(s) still running are cut "
             "(x-request-id: client-report-17)") in err, err
 
 
 def test_a_forced_exit_names_the_request_ids_it_cut(tmp_path):
-    proc, url = serve_process(tmp_path, "--grace", "30", "--device-config", "decode_us=20000")
-    try:
-        worker, first = stream_with_id(url, "client-report-18", 1000)
-        assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
-                 what="/ready to report draining")
-        proc.send_signal(signal.SIGINT)
-        code, err = stopped(proc)
-        worker.join(10)
-    finally:
-        killed(proc)
+    code, err, _ = stream_cut_at_a_stop(tmp_path, forced=True, request_id="client-report-18")
     assert code == 3, err
     assert ("signal SIGINT again: forced exit, 1 request(s) cut "
             "(x-request-id: client-report-18)") in err, err
@@ -99,7 +57,7 @@ def test_a_cut_of_many_requests_names_the_first_ids_and_counts_the_rest(tmp_path
     workers = []
     try:
         for k in range(total):  # one at a time: admitted in this order
-            worker, first = stream_with_id(url, f"many-{k}", 1000)
+            worker, first, _ = stream_in_thread(url, 1000, f"many-{k}")
             assert first.wait(10)
             workers.append(worker)
         proc.send_signal(signal.SIGTERM)

@@ -23,7 +23,13 @@ import threading
 import httpx
 import pytest
 
-from test_ops_sweep import killed, serve_process, stopped, stream_in_thread
+from test_ops_sweep import (
+    killed,
+    serve_process,
+    stopped,
+    stream_cut_at_a_stop,
+    stream_in_thread,
+)
 from test_server_support import started_executor, wait_for
 
 TOKEN = "op-token"
@@ -52,15 +58,7 @@ def test_a_drain_whose_grace_runs_out_says_what_it_cut(tmp_path):
     tests/test_server_stalled.py: a client that never reads must not fail every stop); the
     requests the grace cut are one WARNING line, and the stream's error event says the drain
     ended it, not a "recovery or model switch". Before: nothing was logged at all."""
-    proc, url = serve_process(tmp_path, "--grace", "0.5", "--device-config", "decode_us=20000")
-    try:
-        worker, first, lines = stream_in_thread(url, 1000)  # 20 s of tokens: past the grace
-        assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        code, err = stopped(proc)
-        worker.join(10)
-    finally:
-        killed(proc)
+    code, err, lines = stream_cut_at_a_stop(tmp_path, forced=False)  # past the grace
     assert b"data: [DONE]" not in lines  # cut...
     assert code == 0, err  # ...the executor drained
     assert "drain: grace 0.5s over, 1 request(s) still running are cut" in err
@@ -69,18 +67,7 @@ def test_a_drain_whose_grace_runs_out_says_what_it_cut(tmp_path):
 
 
 def test_a_forced_exit_logs_its_line_and_no_traceback(tmp_path):
-    proc, url = serve_process(tmp_path, "--grace", "30", "--device-config", "decode_us=20000")
-    try:
-        worker, first, lines = stream_in_thread(url, 1000)
-        assert first.wait(10)
-        proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
-                 what="/ready to report draining")
-        proc.send_signal(signal.SIGINT)
-        code, err = stopped(proc)
-        worker.join(10)
-    finally:
-        killed(proc)
+    code, err, _ = stream_cut_at_a_stop(tmp_path, forced=True)
     assert code == 3, err
     assert "signal SIGINT again: forced exit, 1 request(s) cut" in err
     assert "Traceback" not in err and "CancelledError" not in err, err

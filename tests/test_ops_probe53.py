@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_ops_sweep import serve_process, stopped
+from test_ops_sweep import killed, serve_process, stopped
 from test_server_support import LiveServer, metric_value, started_executor, wait_for
 
 
@@ -125,9 +125,7 @@ def test_a_forced_exit_closes_the_connection_of_a_request_it_cuts_not_a_plain_50
         code, err = stopped(proc)
         worker.join(10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+        killed(proc)
     assert code == 3 and "1 request(s) still running were cut" in err, err
     assert len(got) == 1
     answer = got[0]

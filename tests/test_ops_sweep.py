@@ -269,15 +269,17 @@ def stopped(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
     return proc.returncode, err
 
 
-def stream_in_thread(url: str, max_tokens: int) -> tuple[threading.Thread, threading.Event,
-                                                          list[bytes]]:
-    """A streamed completion from a worker thread: (thread, first event seen, the lines)."""
+def stream_in_thread(url: str, max_tokens: int, request_id: str | None = None
+                     ) -> tuple[threading.Thread, threading.Event, list[bytes]]:
+    """A streamed completion from a worker thread, sent with ``X-Request-Id: request_id``
+    when given: (thread, first event seen, the lines)."""
     first = threading.Event()
     lines: list[bytes] = []
+    headers = {} if request_id is None else {"X-Request-Id": request_id}
 
     def run() -> None:
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, headers=headers,
                               json={"prompt": [5, 6], "max_tokens": max_tokens,
                                     "stream": True}) as r:
                 for line in r.iter_lines():
@@ -296,6 +298,29 @@ def killed(proc) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.communicate(timeout=10)
+
+
+def stream_cut_at_a_stop(tmp_path, *, forced: bool, request_id: str | None = None
+                         ) -> tuple[int, str, list[bytes]]:
+    """``calexec serve`` (20 ms a token) sent SIGTERM with a 1000-token stream in flight (20 s
+    of tokens): ``forced``, a 30 s grace and, once /ready reports draining, a SIGINT that
+    forces the exit; else a 0.5 s grace that runs out. (exit code, stderr, the stream's
+    lines); the stream is sent with ``X-Request-Id: request_id`` when given."""
+    proc, url = serve_process(tmp_path, "--grace", "30" if forced else "0.5",
+                              "--device-config", "decode_us=20000")
+    try:
+        worker, first, lines = stream_in_thread(url, 1000, request_id)
+        assert first.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        if forced:
+            wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
+                     what="/ready to report draining")
+            proc.send_signal(signal.SIGINT)
+        code, err = stopped(proc)
+        worker.join(10)
+    finally:
+        killed(proc)
+    return code, err, lines
 
 
 def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
@@ -326,9 +351,7 @@ def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
         code, err = stopped(proc)
         worker.join(10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+        killed(proc)
     assert b"data: [DONE]" not in events  # the stream was cut...
     assert code == 3, err  # ...so the exit says so
     # forced by the second signal, not the 30 s grace run out (it says which)
