@@ -13,9 +13,7 @@ import httpx  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
-from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
-from calexec.drivers.tools.chaos import chaos_executor  # noqa: E402
-from test_server_support import ServeLikeServer, server_idle, wait_for  # noqa: E402
+from test_server_support import chaos_server, server_idle, wait_for  # noqa: E402
 
 #: (emulator fault point, rc, the fault's code, its raw CalRT code in the label)
 KINDS = [("CCU_EXCEPTION", 0, "device.ccu_exception", "none"),
@@ -38,25 +36,16 @@ def test_a_fault_its_request_survived_is_counted_by_kind(tmp_path, point, rc, co
     raw CalRT code, and not in ``calexec_request_failures_total`` (no request failed). Before,
     nothing in /metrics counted it: an operator saw faults only in the log, or those that
     failed a request."""
-    executor = chaos_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
-    try:
-        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
-                                                          timeout=30) as http:
-            before = _samples(http.get("/metrics").text, "calexec_device_faults_total")
-            assert emu.set_fault(Fault[point], FaultMode.NTH, 1, 0, rc) == 0
-            answer = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
-                                                        "timeout": 20})
-            emu.clear_all_faults()
-            assert answer.status_code == 200, answer.text
-            wait_for(lambda: http.get("/ready").status_code == 200, 20, "/ready 200")
-            wait_for(lambda: server_idle(service), 20, "the server idle")
-            metrics = http.get("/metrics").text
-    finally:
+    with chaos_server(tmp_path) as (emu, service, http):
+        before = _samples(http.get("/metrics").text, "calexec_device_faults_total")
+        assert emu.set_fault(Fault[point], FaultMode.NTH, 1, 0, rc) == 0
+        answer = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                    "timeout": 20})
         emu.clear_all_faults()
-        executor.shutdown(5.0)
+        assert answer.status_code == 200, answer.text
+        wait_for(lambda: http.get("/ready").status_code == 200, 20, "/ready 200")
+        wait_for(lambda: server_idle(service), 20, "the server idle")
+        metrics = http.get("/metrics").text
     faults = _samples(metrics, "calexec_device_faults_total")
     assert before == {}, before
     assert faults.get((code, raw), 0) >= 1, faults
@@ -80,35 +69,26 @@ def test_success_and_failures_count_admitted_choices_and_refused_requests(tmp_pa
     choices): an admitted choice is counted once, a request refused before admission once
     whatever its ``n``; so success + failures rises by what ``calexec_requests_total`` rises
     by, plus one for a refusal."""
-    executor = chaos_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
     bodies = [({"prompt": [1, 2], "max_tokens": 2}, 200, 1, 1),
               ({"prompt": [1, 2], "max_tokens": 2, "n": 2}, 200, 2, 2),
               ({"prompt": [[1, 2], [3, 4]], "max_tokens": 2, "n": 2}, 200, 4, 4),
               ({"prompt": [1, 2], "max_tokens": 2, "n": 2, "temperature": 9}, 400, 0, 1),
               ({"prompt": [1, 2], "max_tokens": 2, "n": 2, "model": "other"}, 404, 0, 1)]
-    try:
-        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
-                                                          timeout=30) as http:
-            for body, status, admitted, counted in bodies:
-                before = _counts(http)
-                answer = http.post("/v1/completions", json=body)
-                assert answer.status_code == status, answer.text
-                wait_for(lambda: server_idle(service), 20, "the server idle")
-                after = _counts(http)
-                assert (after[0] - before[0], after[1] - before[1]) == (admitted, counted), body
-            # a request of 2 choices whose choice fails: each admitted choice counted once
+    with chaos_server(tmp_path) as (emu, service, http):
+        for body, status, admitted, counted in bodies:
             before = _counts(http)
-            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
-            failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
-                                                        "n": 2})
-            emu.clear_all_faults()
-            assert failed.status_code == 500, failed.text
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == status, answer.text
             wait_for(lambda: server_idle(service), 20, "the server idle")
             after = _counts(http)
-            assert after[1] - before[1] == after[0] - before[0] >= 1
-    finally:
+            assert (after[0] - before[0], after[1] - before[1]) == (admitted, counted), body
+        # a request of 2 choices whose choice fails: each admitted choice counted once
+        before = _counts(http)
+        assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+        failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                    "n": 2})
         emu.clear_all_faults()
-        executor.shutdown(5.0)
+        assert failed.status_code == 500, failed.text
+        wait_for(lambda: server_idle(service), 20, "the server idle")
+        after = _counts(http)
+        assert after[1] - before[1] == after[0] - before[0] >= 1

@@ -23,7 +23,7 @@ import needs  # noqa: E402
 from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.drivers.tools.chaos import chaos_executor  # noqa: E402
-from test_server_support import ServeLikeServer, server_idle, wait_for  # noqa: E402
+from test_server_support import ServeLikeServer, chaos_server, server_idle, wait_for  # noqa: E402
 
 
 def _samples(text: str, name: str, *labels: str) -> dict[tuple[str, ...], float]:
@@ -36,24 +36,15 @@ def test_a_busy_infer_the_submitter_retried_is_counted_with_its_raw_code(tmp_pat
     (§8 TRANSIENT) and the request is answered 200: before, nothing in ``/metrics`` moved
     (no fault, no failure), so an operator could not see the device refusing work. It is
     ``calexec_submit_retries_total{raw="17"}``, shown at 0 before the first."""
-    executor = chaos_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
-    try:
-        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
-                                                          timeout=30) as http:
-            before = http.get("/metrics").text
-            assert emu.set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0, 17) == 0
-            answer = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
-                                                        "timeout": 20})
-            emu.clear_all_faults()
-            assert answer.status_code == 200, answer.text
-            wait_for(lambda: server_idle(service), 20, "the server idle")
-            after = http.get("/metrics").text
-    finally:
+    with chaos_server(tmp_path) as (emu, service, http):
+        before = http.get("/metrics").text
+        assert emu.set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0, 17) == 0
+        answer = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4,
+                                                    "timeout": 20})
         emu.clear_all_faults()
-        executor.shutdown(5.0)
+        assert answer.status_code == 200, answer.text
+        wait_for(lambda: server_idle(service), 20, "the server idle")
+        after = http.get("/metrics").text
     assert _samples(before, "calexec_submit_retries_total", "raw") == {("17",): 0.0}
     assert _samples(after, "calexec_submit_retries_total", "raw") == {("17",): 1.0}
     # retried, not a fault nor a failure (one that spent its retries is a fault, raw 17)
@@ -113,55 +104,46 @@ def test_every_completion_request_is_counted_once_by_outcome_whatever_its_choice
     counted requests sent, nor a share of them failed. ``calexec_api_requests_total{route,
     outcome}`` counts each HTTP request once (success, refused, failed), and the docs' sum
     holds exactly: success + failures = requests + the refused ones."""
-    executor = chaos_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
-    try:
-        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
-                                                          timeout=30) as http:
-            start = _totals(http.get("/metrics").text)
-            # every series shows before its first request, at 0 (a rate() has a start)
-            assert {k: v for k, v in start.items() if "/" in k} == {
-                f"{r}/{o}": 0.0 for r in ROUTE.values() for o in ("success", "failed",
-                                                                   "refused", "handed_off")}
-            for path, body, status, outcome in TRAFFIC:
-                before = _totals(http.get("/metrics").text)
-                answer = http.post(path, json=body)
-                assert answer.status_code == status, (body, answer.text)
-                if body.get("stream"):
-                    assert answer.text.endswith("data: [DONE]\n\n") or re.search(
-                        r"(^|\n\n)event: response\.(completed|incomplete)\ndata: [^\n]*\n\n$",
-                        answer.text), answer.text
-                wait_for(lambda: server_idle(service), 20, "the server idle")
-                moved = _delta(_totals(http.get("/metrics").text), before)
-                assert moved.pop(f"{ROUTE[path]}/{outcome}") == 1, (body, moved)
-                assert not [k for k in moved if "/" in k], (body, moved)
-                assert (moved.get("calexec_request_success_total", 0)
-                        + moved.get("calexec_request_failures_total", 0)
-                        == moved.get("calexec_requests_total", 0)
-                        + (outcome == "refused")), (body, moved)
-            # an admitted request of 2 choices whose choice fails: failed, once
+    with chaos_server(tmp_path) as (emu, service, http):
+        start = _totals(http.get("/metrics").text)
+        # every series shows before its first request, at 0 (a rate() has a start)
+        assert {k: v for k, v in start.items() if "/" in k} == {
+            f"{r}/{o}": 0.0 for r in ROUTE.values() for o in ("success", "failed",
+                                                               "refused", "handed_off")}
+        for path, body, status, outcome in TRAFFIC:
             before = _totals(http.get("/metrics").text)
-            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
-            failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
-                                                        "n": 2})
-            emu.clear_all_faults()
-            assert failed.status_code == 500, failed.text
+            answer = http.post(path, json=body)
+            assert answer.status_code == status, (body, answer.text)
+            if body.get("stream"):
+                assert answer.text.endswith("data: [DONE]\n\n") or re.search(
+                    r"(^|\n\n)event: response\.(completed|incomplete)\ndata: [^\n]*\n\n$",
+                    answer.text), answer.text
             wait_for(lambda: server_idle(service), 20, "the server idle")
             moved = _delta(_totals(http.get("/metrics").text), before)
-            assert moved.pop("completions/failed") == 1, moved
-            assert not [k for k in moved if "/" in k], moved
-            assert moved["calexec_request_failures_total"] == moved["calexec_requests_total"]
-            # another method (a CORS preflight's OPTIONS, a GET: 405) asks for no completion
-            before = _totals(http.get("/metrics").text)
-            assert http.get("/v1/completions").status_code == 405
-            assert http.options("/v1/chat/completions").status_code == 405
-            assert _delta(_totals(http.get("/metrics").text), before) == {}
-            end = _totals(http.get("/metrics").text)
-    finally:
+            assert moved.pop(f"{ROUTE[path]}/{outcome}") == 1, (body, moved)
+            assert not [k for k in moved if "/" in k], (body, moved)
+            assert (moved.get("calexec_request_success_total", 0)
+                    + moved.get("calexec_request_failures_total", 0)
+                    == moved.get("calexec_requests_total", 0)
+                    + (outcome == "refused")), (body, moved)
+        # an admitted request of 2 choices whose choice fails: failed, once
+        before = _totals(http.get("/metrics").text)
+        assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+        failed = http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                    "n": 2})
         emu.clear_all_faults()
-        executor.shutdown(5.0)
+        assert failed.status_code == 500, failed.text
+        wait_for(lambda: server_idle(service), 20, "the server idle")
+        moved = _delta(_totals(http.get("/metrics").text), before)
+        assert moved.pop("completions/failed") == 1, moved
+        assert not [k for k in moved if "/" in k], moved
+        assert moved["calexec_request_failures_total"] == moved["calexec_requests_total"]
+        # another method (a CORS preflight's OPTIONS, a GET: 405) asks for no completion
+        before = _totals(http.get("/metrics").text)
+        assert http.get("/v1/completions").status_code == 405
+        assert http.options("/v1/chat/completions").status_code == 405
+        assert _delta(_totals(http.get("/metrics").text), before) == {}
+        end = _totals(http.get("/metrics").text)
     sent = len(TRAFFIC) + 1
     assert sum(v for k, v in end.items() if "/" in k) == sent
     refused = sum(v for k, v in end.items() if k.endswith("/refused"))
@@ -207,32 +189,23 @@ def test_the_dashboard_queries_of_the_docs_give_what_the_clients_saw(tmp_path):
     lacks ramps from 0 (a long-running server's exists by then), except the faults': a kind's
     series appears at its first fault (absent, then there), as a scrape sees it."""
     promtool = needs.tool("promtool")
-    executor = chaos_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
     seen = {"success": 0, "refused": 0, "failed": 0, "handed_off": 0}  # (no fleet here)
-    try:
-        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
-                                                          timeout=30) as http:
-            idle = http.get("/metrics").text
-            for path, body, status, outcome in TRAFFIC:
-                assert http.post(path, json=body).status_code == status, body
-                seen[outcome] += 1
-            assert emu.set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0, 17) == 0
-            assert http.post("/v1/completions", json={"prompt": [3], "max_tokens": 2}
-                             ).status_code == 200
-            seen["success"] += 1
-            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
-            assert http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
-                                                      "n": 2}).status_code == 500
-            emu.clear_all_faults()
-            seen["failed"] += 1
-            wait_for(lambda: server_idle(service), 20, "the server idle")
-            last = http.get("/metrics").text
-    finally:
+    with chaos_server(tmp_path) as (emu, service, http):
+        idle = http.get("/metrics").text
+        for path, body, status, outcome in TRAFFIC:
+            assert http.post(path, json=body).status_code == status, body
+            seen[outcome] += 1
+        assert emu.set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0, 17) == 0
+        assert http.post("/v1/completions", json={"prompt": [3], "max_tokens": 2}
+                         ).status_code == 200
+        seen["success"] += 1
+        assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+        assert http.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2,
+                                                  "n": 2}).status_code == 500
         emu.clear_all_faults()
-        executor.shutdown(5.0)
+        seen["failed"] += 1
+        wait_for(lambda: server_idle(service), 20, "the server idle")
+        last = http.get("/metrics").text
     before, after = _series(idle), _series(last)
     seconds = STEPS * 60
 

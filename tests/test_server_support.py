@@ -316,6 +316,28 @@ def serve_like_fixture(tmp_path_factory) -> Iterator[ServeLikeServer]:
         executor.shutdown(5.0)
 
 
+@contextlib.contextmanager
+def chaos_server(tmp: Path) -> Iterator[tuple]:
+    """``tools/chaos.py``'s executor (the emulator's faults for the test to arm) behind a
+    ``ServeLikeServer`` and an ``httpx.Client`` of it (30 s timeout): ``(emulator, service,
+    client)``. At the end the emulator's faults are cleared and the executor is shut down."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.chaos import chaos_executor
+
+    executor = chaos_executor(tmp)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            yield emu, app.state.service, http
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+
+
 def stalled_client(port: int, body: dict, path: str = "/v1/completions") -> socket.socket:
     """A raw loopback client with a 4 KiB receive buffer that sends ``body`` and never reads
     (the caller closes it)."""
