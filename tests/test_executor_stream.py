@@ -540,6 +540,20 @@ def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
 
 
+def stream_after_a_failed_arming(ex):
+    """A stepped stream on sequence 1 whose first step answered and whose arming of the next
+    met a runtime fault (its SetCsr refused): ``(stream, first step's result)``, nothing armed."""
+    stream, token = open_stream_stepped(ex, 1, 4)
+    assert stream.armed is not None
+    arm(ex, "UNKNOWN_CSR")  # the submitter's arming of the step after the next fails
+    first = stream.step(token)
+    assert isinstance(first, InferenceResult), first
+    while ex.submit_one():
+        pass
+    assert fired(ex, "UNKNOWN_CSR") == 1 and stream.armed is None
+    return stream, first
+
+
 def test_a_request_on_the_sequence_after_a_failed_prearm_leaves_the_step_the_plain_answer(calbin):
     """The stream's next arming met a runtime fault (its SetCsr refused), then another
     request of the sequence came (here a new prefill): the step the fault was kept for is
@@ -549,14 +563,7 @@ def test_a_request_on_the_sequence_after_a_failed_prearm_leaves_the_step_the_pla
     the arming's ``calrt.csr_failed``, reported to the fault controller then, for a step
     whose plain admission never reaches a CSR write (its KV check refuses it first)."""
     with running_job_path(calbin, threads=False) as ex:
-        stream, token = open_stream_stepped(ex, 1, 4)
-        assert stream.armed is not None
-        arm(ex, "UNKNOWN_CSR")  # the submitter's arming of the step after the next fails
-        first = stream.step(token)
-        assert isinstance(first, InferenceResult), first
-        while ex.submit_one():
-            pass
-        assert fired(ex, "UNKNOWN_CSR") == 1 and stream.armed is None
+        stream, first = stream_after_a_failed_arming(ex)
         assert not ex.faults.reports  # a guess: not yet
         other = ex.enqueue(prefill(1, PROMPT[:3]))
         while not other.done and (ex.submit_one() or ex.complete_one()):
@@ -582,14 +589,7 @@ def test_a_step_whose_arming_faulted_asked_while_admission_is_stopped_answers_as
     the arming's fault is not reported. Until stop 67's review it answered the arming's 500
     ``calrt.csr_failed``: only a replaced generation was told apart."""
     with running_executor(calbin, threads=False) as ex:
-        stream, token = open_stream_stepped(ex, 1, 4)
-        assert stream.armed is not None
-        arm(ex, "UNKNOWN_CSR")  # the submitter's arming of the step after the next fails
-        first = stream.step(token)
-        assert isinstance(first, InferenceResult), first
-        while ex.submit_one():
-            pass
-        assert fired(ex, "UNKNOWN_CSR") == 1 and stream.armed is None
+        stream, first = stream_after_a_failed_arming(ex)
         arm(ex, "SUBMIT_RC", rc=18)
         failing = ex.enqueue(prefill(2, PROMPT))
         while not failing.done and (ex.submit_one() or ex.complete_one()):
