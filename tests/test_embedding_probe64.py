@@ -143,17 +143,10 @@ def test_the_snapshot_says_which_kv_is_held_and_a_release_gives_it_back(calbin):
                 snap["kv_sequences"]) == (0, None, [])
 
 
-def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_in(
-        calbin, monkeypatch):
-    """A ``shutdown`` while another thread's ``enqueue`` prepared its job in a buffer slot
-    (copy, SliceTensor, SetCSR: inside the generation's fence) ignored the fence's answer:
-    it released the generation and closed the device under that thread and answered OK,
-    ``Stopped``; the request then failed ``internal.slot_dropped`` (a 500 and a fault asking
-    for a reset, after the shutdown), where docs/embedding.md section 6 has it answered
-    ``lifecycle.unavailable`` naming the shutdown (and a SetCSR on a destroyed buffer was a
-    step away). Now nothing is torn down while a request thread is inside: the shutdown
-    answers ``shutdown.not_drained`` naming it, everything kept; the request answers
-    ``lifecycle.unavailable``; a later ``shutdown`` tears the generation down."""
+def gated_preparation(monkeypatch):
+    """``BufferSlot.prepare`` held, in the thread the test appends to ``holder``, until
+    ``opened`` is set (bounded: 10 s); ``holding`` is set once it holds.
+    ``(holding, opened, holder)``."""
     import threading
 
     from calexec.machines.pool import BufferSlot
@@ -169,6 +162,23 @@ def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_
         return prepare(slot, request)
 
     monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    return holding, opened, holder
+
+
+def test_shutdown_never_tears_down_a_generation_a_request_thread_still_prepares_in(
+        calbin, monkeypatch):
+    """A ``shutdown`` while another thread's ``enqueue`` prepared its job in a buffer slot
+    (copy, SliceTensor, SetCSR: inside the generation's fence) ignored the fence's answer:
+    it released the generation and closed the device under that thread and answered OK,
+    ``Stopped``; the request then failed ``internal.slot_dropped`` (a 500 and a fault asking
+    for a reset, after the shutdown), where docs/embedding.md section 6 has it answered
+    ``lifecycle.unavailable`` naming the shutdown (and a SetCSR on a destroyed buffer was a
+    step away). Now nothing is torn down while a request thread is inside: the shutdown
+    answers ``shutdown.not_drained`` naming it, everything kept; the request answers
+    ``lifecycle.unavailable``; a later ``shutdown`` tears the generation down."""
+    import threading
+
+    holding, opened, holder = gated_preparation(monkeypatch)
     with running_executor(calbin) as ex:
         answers: list = []
         thread = threading.Thread(target=lambda: answers.append(
@@ -207,19 +217,7 @@ def test_a_later_shutdown_that_tears_down_never_says_nothing_was_torn_down(
     names the request thread; only the call that kept everything says it kept it."""
     import threading
 
-    from calexec.machines.pool import BufferSlot
-
-    holding, opened = threading.Event(), threading.Event()
-    holder: list[threading.Thread] = []
-    prepare = BufferSlot.prepare
-
-    def gated_prepare(slot, request):
-        if holder and threading.current_thread() is holder[0] and not opened.is_set():
-            holding.set()
-            opened.wait(10.0)
-        return prepare(slot, request)
-
-    monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    holding, opened, holder = gated_preparation(monkeypatch)
     with running_executor(calbin) as ex:
         thread = threading.Thread(target=lambda: ex.enqueue(prefill(1, [3, 14, 15])).result(
             10.0), name="request")
