@@ -74,6 +74,29 @@ def test_a_refused_field_is_named_before_a_key_given_twice(client):
     assert r.json()["error"]["message"].startswith("max_tokens=-1"), r.json()
 
 
+def served_while_held(url: str, route: str, body: dict, entered: threading.Event,
+                      release: threading.Event, what: str) -> None:
+    """POSTs ``body`` to ``route`` from a thread; once the test's stand-in has ``entered``
+    (``what`` if never), ``/health`` and a plain completion are asked while it holds (until
+    ``release``, set here afterwards): each of the three is answered 200."""
+    answers: dict[str, httpx.Response] = {}
+    asking = threading.Thread(target=lambda: answers.setdefault(
+        "held", httpx.post(f"{url}{route}", json=body, timeout=60.0)))
+    asking.start()
+    try:
+        assert entered.wait(30.0), what
+        health = httpx.get(f"{url}/health", timeout=10.0)
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2],
+                                                          "max_tokens": 2}, timeout=10.0)
+        assert not release.is_set()
+    finally:
+        release.set()
+        asking.join(60.0)
+    assert health.status_code == 200, health.text[:300]
+    assert plain.status_code == 200, plain.text[:300]
+    assert answers["held"].status_code == 200, answers["held"].text[:300]
+
+
 @pytest.mark.parametrize("route, body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                               "response_format": {"type": "json_object"}}),
@@ -100,22 +123,7 @@ def test_other_clients_are_served_while_a_grammar_compiles(live, monkeypatch, ro
         return real(*args)
 
     monkeypatch.setattr(grammar, name, held)
-    answers: dict[str, httpx.Response] = {}
-    asking = threading.Thread(target=lambda: answers.setdefault(
-        "held", httpx.post(f"{server.url}{route}", json=body, timeout=60.0)))
-    asking.start()
-    try:
-        assert entered.wait(30.0), "the grammar was never built"
-        health = httpx.get(f"{server.url}/health", timeout=10.0)
-        plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2],
-                                                                 "max_tokens": 2}, timeout=10.0)
-        assert not release.is_set()
-    finally:
-        release.set()
-        asking.join(60.0)
-    assert health.status_code == 200, health.text[:300]
-    assert plain.status_code == 200, plain.text[:300]
-    assert answers["held"].status_code == 200, answers["held"].text[:300]
+    served_while_held(server.url, route, body, entered, release, "the grammar was never built")
 
 
 def test_other_clients_are_served_while_a_grammar_s_matcher_is_built(live, monkeypatch):
@@ -134,21 +142,7 @@ def test_other_clients_are_served_while_a_grammar_s_matcher_is_built(live, monke
         return real(self)
 
     monkeypatch.setattr(grammar.Structure, "start", held)
-    answers: dict[str, httpx.Response] = {}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "response_format": {"type": "json_object"}}
-    asking = threading.Thread(target=lambda: answers.setdefault(
-        "held", httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60.0)))
-    asking.start()
-    try:
-        assert entered.wait(30.0), "the matcher was never built"
-        health = httpx.get(f"{server.url}/health", timeout=10.0)
-        plain = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2],
-                                                                 "max_tokens": 2}, timeout=10.0)
-        assert not release.is_set()
-    finally:
-        release.set()
-        asking.join(60.0)
-    assert health.status_code == 200, health.text[:300]
-    assert plain.status_code == 200, plain.text[:300]
-    assert answers["held"].status_code == 200, answers["held"].text[:300]
+    served_while_held(server.url, "/v1/chat/completions", body, entered, release,
+                      "the matcher was never built")
