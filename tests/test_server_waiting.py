@@ -49,6 +49,19 @@ def hold_recovery_in_warming(executor) -> threading.Thread:
     return thread
 
 
+def waiting_behind_a_recovery(executor, service, url: str, max_tokens: int, out: list
+                              ) -> tuple[threading.Thread, threading.Thread]:
+    """``hold_recovery_in_warming``, then a completion of ``max_tokens`` posted to ``url``
+    from a thread (its response appended to ``out``) until ``service``'s admission has it
+    waiting: (the recovery's thread, the request's)."""
+    recovery = hold_recovery_in_warming(executor)
+    request = threading.Thread(target=lambda: out.append(httpx.post(
+        f"{url}/v1/completions", timeout=30, json={"prompt": PROMPT, "max_tokens": max_tokens})))
+    request.start()
+    wait_for(lambda: service.admission.waiting == 1, what="the request waiting")
+    return recovery, request
+
+
 # ---- waiting through a recovery ------------------------------------------------------------------
 def test_a_request_during_a_recovery_waits_and_completes(tmp_path):
     """It used to be an immediate 503. /ready stays 503 meanwhile (load balancers route away)."""
@@ -59,12 +72,7 @@ def test_a_request_during_a_recovery_waits_and_completes(tmp_path):
     out: list[httpx.Response] = []
     try:
         with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
-            recovery = hold_recovery_in_warming(executor)
-            late = threading.Thread(target=lambda: out.append(httpx.post(
-                f"{server.url}/v1/completions", timeout=30,
-                json={"prompt": PROMPT, "max_tokens": 4})))
-            late.start()
-            wait_for(lambda: service.admission.waiting == 1, what="the request waiting")
+            recovery, late = waiting_behind_a_recovery(executor, service, server.url, 4, out)
             assert metric_value(client.get("/metrics").text,
                                 "calexec_num_requests_waiting") == 1
             not_ready = client.get("/ready")
@@ -91,12 +99,7 @@ def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(
     out: list[httpx.Response] = []
     try:
         with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
-            recovery = hold_recovery_in_warming(executor)
-            waiting = threading.Thread(target=lambda: out.append(httpx.post(
-                f"{server.url}/v1/completions", timeout=30,
-                json={"prompt": PROMPT, "max_tokens": 2})))
-            waiting.start()
-            wait_for(lambda: service.admission.waiting == 1, what="one request waiting")
+            recovery, waiting = waiting_behind_a_recovery(executor, service, server.url, 2, out)
             full = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert full.status_code == 503 and full.headers["retry-after"] == "1"
             assert "max_waiting=1" in full.json()["error"]["message"]
