@@ -68,6 +68,17 @@ class _PausedShutdown:
         return self.answers[0]
 
 
+def _prefilled(ex) -> InferenceResult:
+    """Sequence 3's prefill of ``PROMPT``, driven on this thread (a stepped executor): its
+    result."""
+    first = ex.enqueue(prefill(3, PROMPT))
+    while not first.done and (ex.submit_one() or ex.complete_one()):
+        pass
+    result = first.wait_until(deadline())
+    assert isinstance(result, InferenceResult), result
+    return result
+
+
 # ---- 1. a stream's step during a shutdown: one answer, whether its job was armed or not ----
 @pytest.mark.parametrize("released_first", [False, True])
 @pytest.mark.parametrize("greedy_ahead", [False, True])
@@ -84,11 +95,7 @@ def test_a_step_during_a_shutdown_answers_as_enqueue_whether_or_not_its_job_was_
     paused = _PausedShutdown(ex)
     monkeypatch.setattr(ex.dispatch, "cancel_pending", paused.cancel_pending)
     try:
-        first = ex.enqueue(prefill(3, PROMPT))
-        while not first.done and (ex.submit_one() or ex.complete_one()):
-            pass
-        result = first.wait_until(deadline())
-        assert isinstance(result, InferenceResult), result
+        result = _prefilled(ex)
         stream = ex.decode_stream(3, result.kv_len, deadline(), greedy_ahead=greedy_ahead)
         armed = stream.armed
         assert armed is not None, "the stream armed no job"
@@ -125,11 +132,7 @@ def test_a_step_submitted_before_the_shutdown_is_cancelled_as_a_queued_enqueue(c
     paused = _PausedShutdown(ex)
     monkeypatch.setattr(ex.dispatch, "cancel_pending", paused.cancel_pending)
     try:
-        first = ex.enqueue(prefill(3, PROMPT))
-        while not first.done and (ex.submit_one() or ex.complete_one()):
-            pass
-        result = first.wait_until(deadline())
-        assert isinstance(result, InferenceResult), result
+        result = _prefilled(ex)
         queued = ex.enqueue(prefill(4, PROMPT))
         stream = ex.decode_stream(3, result.kv_len, deadline())
         handle = stream.submit(result.argmax)
