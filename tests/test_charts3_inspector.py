@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,11 +27,9 @@ def _media() -> object:
     return importlib.import_module("media_player")
 
 
-@pytest.mark.requires_tool("dot")
-def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path) -> None:
-    """A run whose last transition went to a history state (``paused --resume--> hist``) made
-    the path page fill the history pseudo-state, which is no state: ``ValueError: active_state=
-    'hist' is not one of ...`` and a 500. The compound the history belongs to is filled."""
+def _inspected() -> tuple[Any, Inspector, Any, Any]:
+    """The media player registered with a new ``Inspector`` whose runs are a compiled run
+    and a python-statemachine instance of it: ``(chart, inspector, run, instance)``."""
     media = _media()
     chart = media.MediaPlayer  # type: ignore[attr-defined]
     inspector = Inspector()
@@ -39,6 +38,15 @@ def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path)
     run = compiled(chart).run(media.Player())  # type: ignore[attr-defined]
     machine = chart(model=media.Player())  # type: ignore[attr-defined]
     runs += [run, machine]
+    return chart, inspector, run, machine
+
+
+@pytest.mark.requires_tool("dot")
+def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path) -> None:
+    """A run whose last transition went to a history state (``paused --resume--> hist``) made
+    the path page fill the history pseudo-state, which is no state: ``ValueError: active_state=
+    'hist' is not one of ...`` and a 500. The compound the history belongs to is filled."""
+    chart, inspector, run, machine = _inspected()
     inspector.paths.follow("compiled", run)
     inspector.paths.follow("instance", machine)
     for event in RESUMED:
@@ -109,14 +117,7 @@ def test_the_page_counts_compound_and_parallel_states_too(tmp_path: Path) -> Non
     from calexec.drivers.tools.live_screenshots import chromium_capture
     from test_server_support import LiveServer
 
-    media = _media()
-    chart = media.MediaPlayer  # type: ignore[attr-defined]
-    inspector = Inspector()
-    runs: list[object] = []
-    inspector.register(chart, runs=lambda: runs)
-    run = compiled(chart).run(media.Player())  # type: ignore[attr-defined]
-    machine = chart(model=media.Player())  # type: ignore[attr-defined]
-    runs += [run, machine]
+    chart, inspector, run, machine = _inspected()
     for event in RESUMED[:3]:
         run.send(event)
         machine.send(event)
