@@ -26,12 +26,14 @@ script.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -40,6 +42,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO, cast
 
@@ -407,11 +410,91 @@ class _StartSignals:
         self.restore()
 
 
+#: the start's scratch directory in the temp dir (the synthetic calbin): ``calexec-serve-*``
+SCRATCH_PREFIX = "calexec-serve-"
+#: the file in a scratch directory its server holds an exclusive ``flock`` on while it runs
+SCRATCH_LOCK = ".lock"
+
+
+def remove_stale_scratch(temp_dir: str) -> list[str]:
+    """Remove the ``calexec-serve-*`` directories in ``temp_dir`` that no server holds: a
+    server killed by SIGKILL (the OOM killer, a supervisor's stop timeout, ``kill -9``) never
+    ran its clean-up, so each such restart left one behind (a crash loop filled the temp
+    dir). A directory is stale when its ``.lock`` file can be locked: its server's lock went
+    with its process (``flock`` locks are the kernel's, released at any death, and hold
+    across pid namespaces sharing the directory). Only directories of this user, never
+    through a symlink; one without a lock file (another server between making it and
+    locking it, an older calexec's) is left alone. Returns the removed paths."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock: nothing can tell a live server's directory)
+        return []
+    removed = []
+    try:
+        names = sorted(os.listdir(temp_dir))
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(temp_dir, name)
+        if not name.startswith(SCRATCH_PREFIX):
+            continue
+        try:
+            st = os.lstat(path)
+            if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(path, SCRATCH_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a running server holds it
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def scratch_directory() -> Iterator[str]:
+    """The start's scratch directory (``$TMPDIR/calexec-serve-*``), removed on the way out,
+    held by an exclusive ``flock`` on its ``.lock`` file while the server runs, so that a
+    later start removes it if this process dies without its clean-up
+    (:func:`remove_stale_scratch`, which runs first). The lock file is locked under another
+    name and then renamed to ``.lock``: a directory's ``.lock`` is never seen unlocked while
+    its server lives."""
+    removed = remove_stale_scratch(tempfile.gettempdir())
+    if removed:
+        logging.getLogger("calexec.serve").info(
+            "removed %d scratch director%s of killed servers: %s", len(removed),
+            "y" if len(removed) == 1 else "ies", ", ".join(removed[:4]) +
+            (f" and {len(removed) - 4} more" if len(removed) > 4 else ""))
+    tmp = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    fd = None
+    try:
+        try:
+            import fcntl
+        except ImportError:
+            pass
+        else:
+            taking = os.path.join(tmp, SCRATCH_LOCK + ".taking")
+            fd = os.open(taking, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.rename(taking, os.path.join(tmp, SCRATCH_LOCK))
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (still locked: no other start removes it)
+        if fd is not None:
+            os.close(fd)
+
+
 def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: DeviceSpec,
            listener: socket.socket, dump: DumpSink | None, log_level: str) -> int:
     """``serve`` from its listening socket on (``main``): the executor's start in a scratch
     directory, then the server until it drains."""
-    with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp, \
+    with listener, scratch_directory() as tmp, \
             _StartSignals() as start_signals:
         try:
             runtime = spec.runtime()
