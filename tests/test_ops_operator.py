@@ -342,3 +342,41 @@ def test_a_signal_after_an_admin_drain_is_the_first_one_not_a_forced_exit(tmp_pa
     assert b"data: [DONE]" in lines, lines[-2:]  # the drain finished it
     assert code == 0, err
     assert "signal SIGTERM: already draining (grace 30s)" in err and "forced" not in err, err
+
+
+def test_the_systemd_unit_of_operations_md_waits_for_the_drain_and_never_restarts_a_usage_error(
+        tmp_path):
+    """docs/operations.md's systemd unit: its ``ExecStart`` names ``calexec serve`` flags,
+    its stop waits longer than the drain's ``--grace`` (systemd sends SIGKILL when
+    ``TimeoutStopSec`` runs out), it restarts a failure and not exit 2 (a configuration the
+    same flags refuse again); ``systemd-analyze verify`` takes it where systemd is installed."""
+    import re
+    import shlex
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from calexec.serve import EXIT_USAGE
+    from test_docs_commands import help_text
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text(
+        encoding="utf-8")
+    [unit] = re.findall(r"^```ini\n(.*?)^```", text, re.M | re.S)
+    keys = dict(line.split("=", 1) for line in unit.splitlines()
+                if "=" in line and not line.startswith("#"))
+    argv = shlex.split(keys["ExecStart"])
+    assert Path(argv[0]).name == "calexec" and argv[1] == "serve"
+    flags = [word for word in argv[2:] if word.startswith("--")]
+    assert flags and all(re.search(re.escape(flag) + r"(?![a-z0-9-])", help_text("serve"))
+                         for flag in flags), flags
+    assert float(keys["TimeoutStopSec"]) > float(argv[argv.index("--grace") + 1])
+    assert keys["KillSignal"] == "SIGTERM" and keys["Restart"] == "on-failure"
+    assert str(EXIT_USAGE) in keys["RestartPreventExitStatus"].split()
+    analyze, exe = shutil.which("systemd-analyze"), shutil.which("calexec")
+    if analyze is None or exe is None:
+        return
+    here = tmp_path / "calexec.service"
+    here.write_text(unit.replace(argv[0], exe), encoding="utf-8")
+    done = subprocess.run([analyze, "verify", str(here)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
