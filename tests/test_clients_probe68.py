@@ -1,7 +1,9 @@
 """Stop 68's probe with the ecosystem's other OpenAI-compatible clients (docs/traceability.md
 "Found at stop 68 (clients)"): litellm (``openai/`` and ``hosted_vllm/``), instructor,
 pydantic-ai, the OpenAI Agents SDK's chat-completions model and smolagents'
-``OpenAIServerModel``, each used as its docs show against a loopback server. Every body they
+``OpenAIServerModel``, each used as its docs show against a loopback server; and the
+Responses API as the Agents SDK's default ``OpenAIResponsesModel``, pydantic-ai's
+``OpenAIResponsesModel`` and ``litellm.responses`` send it. Every body they
 sent was answered and each library parsed the answers (streams, usage, finish reasons, tool
 calls' ids and indices); the one refusal, litellm's ``reasoning_effort``, is a 400 naming it.
 
@@ -112,6 +114,42 @@ def check_streamed_chat(body: dict, chunks: list[dict]) -> None:
             assert isinstance(json.loads(call["arguments"]), dict)
 
 
+def sse_events(text: str) -> list[dict]:
+    """The Responses events of an SSE answer: each ``event:`` line names its data's ``type``."""
+    events = []
+    for block in (b for b in text.split("\n\n") if b.strip()):
+        name, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}", block[:200]
+        events.append(event)
+    return events
+
+
+def check_response(body: dict, answer: dict | list[dict]) -> None:
+    """What the Agents SDK's ``OpenAIResponsesModel``, pydantic-ai's and litellm's Responses
+    readers take: one terminal event (``response.completed`` or ``response.incomplete``) last,
+    ``sequence_number`` 0, 1, 2, ..., and a forced call's ``function_call`` item whole."""
+    if isinstance(answer, list):  # streamed
+        assert [e["sequence_number"] for e in answer] == list(range(len(answer)))
+        assert answer[0]["type"] == "response.created"
+        terminal = [e for e in answer if e["type"] in ("response.completed",
+                                                       "response.incomplete",
+                                                       "response.failed")]
+        assert terminal == [answer[-1]] and terminal[0]["type"] != "response.failed"
+        answer = terminal[0]["response"]
+    assert answer["object"] == "response" and answer["status"] in ("completed", "incomplete")
+    usage = answer["usage"]
+    assert usage["input_tokens"] + usage["output_tokens"] == usage["total_tokens"]
+    kinds = [item["type"] for item in answer["output"]]
+    assert kinds and set(kinds) <= {"message", "function_call"}
+    if isinstance(body.get("tool_choice"), dict):
+        call = answer["output"][-1]
+        assert call["type"] == "function_call" and call["name"] == body["tool_choice"]["name"]
+        assert call["call_id"].startswith("call_")
+        if answer["status"] == "completed":
+            assert isinstance(json.loads(call["arguments"]), dict)
+
+
 def check_completions(body: dict, answer: dict | list[dict]) -> None:
     if isinstance(answer, list):  # streamed
         assert all(c["object"] == "text_completion" for c in answer)
@@ -140,6 +178,9 @@ def test_each_clients_recorded_body_is_answered_as_it_reads_it(live, library, i)
         assert error["param"] == row["param"]
         assert row["param"] in error["message"]
         return
+    if row["path"] == "/v1/responses":
+        check_response(body, sse_events(r.text) if body.get("stream") else r.json())
+        return
     answer = sse_chunks(r.text) if body.get("stream") else r.json()
     if row["path"] == "/v1/completions":
         check_completions(body, answer)
@@ -165,3 +206,8 @@ def test_the_recorded_bodies_cover_every_library_and_the_fields_they_send():
     roles = {m["role"] for k in libraries for row in BODIES[k]
              for m in row["body"].get("messages", ())}
     assert {"system", "user", "assistant", "tool"} <= roles
+    responses = [row["body"] for k in libraries for row in BODIES[k]
+                 if row["path"] == "/v1/responses"]
+    items = {i.get("type") for body in responses if isinstance(body["input"], list)
+             for i in body["input"]}
+    assert {"function_call", "function_call_output"} <= items
