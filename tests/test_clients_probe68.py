@@ -3,7 +3,8 @@
 pydantic-ai, the OpenAI Agents SDK's chat-completions model and smolagents'
 ``OpenAIServerModel``, each used as its docs show against a loopback server; and the
 Responses API as the Agents SDK's default ``OpenAIResponsesModel``, pydantic-ai's
-``OpenAIResponsesModel`` and ``litellm.responses`` send it. Every body they
+``OpenAIResponsesModel`` and ``litellm.responses`` send it; and evalscope's service mode
+(``eval_type="openai_api"``) and its perf benchmark. Every body they
 sent was answered and each library parsed the answers (streams, usage, finish reasons, tool
 calls' ids and indices); the one refusal, litellm's ``reasoning_effort``, is a 400 naming it.
 
@@ -166,7 +167,7 @@ def check_completions(body: dict, answer: dict | list[dict]) -> None:
 
 @pytest.mark.parametrize(("library", "i"), CASES)
 def test_each_clients_recorded_body_is_answered_as_it_reads_it(live, library, i):
-    """(Not a defect: pins what held.) Every body the five libraries sent is answered with
+    """(Not a defect: pins what held.) Every body the libraries sent is answered with
     the status it got when recorded, and the answer has what the library read of it."""
     server, _, _ = live
     row = BODIES[library][i]
@@ -194,7 +195,8 @@ def test_the_recorded_bodies_cover_every_library_and_the_fields_they_send():
     """The data holds what the probe saw each library send: a drop in coverage (a re-record
     that lost a library or a field) fails here, not silently."""
     libraries = {k for k in BODIES if not k.startswith("_")}
-    assert libraries == {"litellm", "instructor", "pydantic_ai", "openai_agents", "smolagents"}
+    assert libraries == {"litellm", "instructor", "pydantic_ai", "openai_agents", "smolagents",
+                         "evalscope"}
     sent = {key for rows in (BODIES[k] for k in libraries) for row in rows for key in row["body"]}
     assert {"max_completion_tokens", "parallel_tool_calls", "stream_options", "store",
             "metadata", "service_tier", "seed", "logprobs", "top_logprobs", "stop",
