@@ -1,12 +1,13 @@
 """Stop 68's probe with the ecosystem's other OpenAI-compatible clients (docs/traceability.md
 "Found at stop 68 (clients)"): litellm (``openai/`` and ``hosted_vllm/``), instructor,
 pydantic-ai, the OpenAI Agents SDK's chat-completions model and smolagents'
-``OpenAIServerModel``, each used as its docs show against a loopback server; and the
-Responses API as the Agents SDK's default ``OpenAIResponsesModel``, pydantic-ai's
+``OpenAIServerModel``, each used as its docs show against a loopback server; the Responses
+API as the Agents SDK's default ``OpenAIResponsesModel``, pydantic-ai's
 ``OpenAIResponsesModel`` and ``litellm.responses`` send it; and evalscope's service mode
-(``eval_type="openai_api"``) and its perf benchmark. Every body they
-sent was answered and each library parsed the answers (streams, usage, finish reasons, tool
-calls' ids and indices); the one refusal, litellm's ``reasoning_effort``, is a 400 naming it.
+(``eval_type="openai_api"``) and its perf benchmark. Every body they sent was answered and
+each library parsed the answers (streams, usage, finish reasons, tool calls' ids and
+indices); the refusals, ``reasoning_effort`` (litellm, pydantic-ai) and ``prediction``
+(pydantic-ai), are 400s naming the field.
 
 The bodies, as each library sent them, are ``tests/data/clients68/bodies.json`` (which calls
 sent them: its ``_about``); these tests replay them over httpx, so CI needs none of the
@@ -72,7 +73,7 @@ def check_whole_chat(body: dict, answer: dict) -> None:
                 assert isinstance(json.loads(call["function"]["arguments"]), dict)
         if body.get("logprobs"):
             tokens = choice["logprobs"]["content"]
-            assert tokens and all(len(t["top_logprobs"]) == body["top_logprobs"]
+            assert tokens and all(len(t["top_logprobs"]) == body.get("top_logprobs", 0)
                                   for t in tokens)
 
 
@@ -201,7 +202,8 @@ def test_the_recorded_bodies_cover_every_library_and_the_fields_they_send():
     assert {"max_completion_tokens", "parallel_tool_calls", "stream_options", "store",
             "metadata", "service_tier", "seed", "logprobs", "top_logprobs", "stop",
             "response_format", "tool_choice", "tools", "n", "reasoning_effort",
-            "chat_template_kwargs", "top_k", "min_p", "repetition_penalty"} <= sent
+            "chat_template_kwargs", "top_k", "min_p", "repetition_penalty", "prediction",
+            "user", "prompt_cache_key"} <= sent
     strict = [row["body"]["response_format"] for k in libraries for row in BODIES[k]
               if (row["body"].get("response_format") or {}).get("type") == "json_schema"]
     assert any(rf["json_schema"].get("strict") for rf in strict)
