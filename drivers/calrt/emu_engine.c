@@ -76,6 +76,26 @@ int64_t emu_now_ns(void)
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+int64_t emu_stage_start_ns(int64_t ready_ns, int64_t engine_free_ns, int64_t resource_free_ns, int64_t now_ns,
+                           int stepped)
+{
+    if (stepped)
+        return now_ns; /* the caller's step is the stage's start */
+    int64_t start = ready_ns;
+    if (engine_free_ns > start)
+        start = engine_free_ns;
+    if (resource_free_ns > start)
+        start = resource_free_ns;
+    return start < now_ns ? start : now_ns;
+}
+
+int64_t emu_stage_end_ns(int64_t start_ns, int64_t latency_ns, int64_t work_ns)
+{
+    if (latency_ns < 0)
+        latency_ns = 0;
+    return start_ns + (work_ns > latency_ns ? work_ns : latency_ns);
+}
+
 /* Sleep until an absolute CLOCK_MONOTONIC deadline; no syscall when it has passed (a
  * zero-latency profile must not pay the kernel's timer slack). */
 static void sleep_until_ns(int64_t deadline)
@@ -189,13 +209,36 @@ void emu_job_finish(emu_device *dev, emu_job *job, int32_t status)
         dev->c.ccu_exceptions++;
     else
         dev->c.jobs_aborted++;
-    if (dev->job_owner == job->engine)
+    if (dev->job_owner == job->engine) {
         dev->job_owner = -1;
-    if (dev->compute_owner == job->engine)
+        dev->job_free_ns = job->ready_ns;
+    }
+    if (dev->compute_owner == job->engine) {
         dev->compute_owner = -1;
+        dev->compute_free_ns = job->ready_ns;
+    }
     emu_job_free(job);
     pthread_cond_broadcast(&dev->done_cv);
     pthread_cond_broadcast(&dev->work_cv);
+}
+
+/* The modelled start of engine e's head job's next stage, at `now` (dev->mu held): the
+ * resource is the one the overlap rules made it wait for (may_start). */
+static int64_t stage_start(emu_device *dev, int e, const emu_job *job, int stage, int64_t now)
+{
+    int64_t resource = 0;
+    if (dev->k.overlap == CALRT_EMU_OVERLAP_NONE && stage == CALRT_EMU_STAGE_H2D)
+        resource = dev->job_free_ns;
+    if (dev->k.overlap == CALRT_EMU_OVERLAP_DMA && stage == CALRT_EMU_STAGE_COMPUTE)
+        resource = dev->compute_free_ns;
+    return emu_stage_start_ns(job->ready_ns, dev->eng[e].free_ns, resource, now, dev->k.stepped != 0);
+}
+
+/* A stage of engine e's job ended at `end` in the model (dev->mu held). */
+static void stage_ended(emu_device *dev, int e, emu_job *job, int64_t end)
+{
+    job->ready_ns = end;
+    dev->eng[e].free_ns = end;
 }
 
 /* Leave the lock for stage work; the caller re-enters with stage_leave. */
@@ -235,8 +278,9 @@ int emu_deliver_ghost_locked(emu_device *dev)
 
 static void stage_h2d(emu_device *dev, int e, emu_job *job)
 {
-    int64_t started = emu_now_ns();
-    int64_t deadline = started + dev->k.h2d_us * 1000;
+    int64_t now = emu_now_ns();
+    int64_t start = stage_start(dev, e, job, CALRT_EMU_STAGE_H2D, now);
+    int64_t latency = dev->k.h2d_us * 1000;
     int guard = job->guard; /* as at infer(), not the knob now */
     int violated = 0;
     job->ob->status = CALRT_JOB_RUNNING;
@@ -248,9 +292,11 @@ static void stage_h2d(emu_device *dev, int e, emu_job *job)
             violated = 1;
         off += job->in_bytes[i];
     }
-    sleep_until_ns(deadline);
-    job->h2d_ns = emu_now_ns() - started;
+    int64_t end = emu_stage_end_ns(start, latency, emu_now_ns() - now);
+    sleep_until_ns(start + latency);
     stage_leave(dev, e);
+    stage_ended(dev, e, job, end);
+    job->h2d_ns = end - start > 0 ? end - start : 1;
     if (violated)
         dev->c.dma_input_violations++;
     job->stage = CALRT_EMU_STAGE_COMPUTE;
@@ -282,7 +328,9 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
     emu_kv *kv = job->kv;
     emu_seq *s = &kv->seqs[job->seq];
     int64_t per = m->kind == KIND_DECODE ? dev->k.decode_us : dev->k.prefill_per_token_us * job->cur;
-    int64_t deadline = emu_now_ns() + per * 1000;
+    int64_t now = emu_now_ns();
+    int64_t start = stage_start(dev, e, job, CALRT_EMU_STAGE_COMPUTE, now);
+    int64_t latency = per * 1000;
     uint32_t end = job->past + job->cur;
     int ok = job->past <= s->committed && (uint64_t)end <= (uint64_t)s->reserved_blocks * kv->block_size;
     for (uint32_t i = 0; ok && i < job->cur; i++)
@@ -310,8 +358,10 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
         if (job->f_inf)
             out[vrow * vocab + bad] = 0x7F80;
     }
-    sleep_until_ns(deadline);
+    int64_t done = emu_stage_end_ns(start, latency, emu_now_ns() - now);
+    sleep_until_ns(start + latency);
     stage_leave(dev, e);
+    stage_ended(dev, e, job, done);
     if (ok && emu_seq_reserve_states(s, end)) {
         memcpy(s->states + job->past + 1, chain + 1, (size_t)job->cur * sizeof *chain);
         s->committed = end;
@@ -325,6 +375,7 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
     job->computed = 1;
     if (dev->compute_owner == e) {
         dev->compute_owner = -1;
+        dev->compute_free_ns = done;
         pthread_cond_broadcast(&dev->work_cv);
     }
     job->stage = job->result == CALRT_JOB_DONE ? CALRT_EMU_STAGE_D2H : CALRT_EMU_STAGE_SIGNAL;
@@ -332,8 +383,9 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
 
 static void stage_d2h(emu_device *dev, int e, emu_job *job)
 {
-    int64_t started = emu_now_ns();
-    int64_t deadline = started + dev->k.d2h_us * 1000;
+    int64_t now = emu_now_ns();
+    int64_t start = stage_start(dev, e, job, CALRT_EMU_STAGE_D2H, now);
+    int64_t latency = dev->k.d2h_us * 1000;
     int guard = job->guard; /* as at infer(), not the knob now */
     uint64_t size = job->m->out[0].byte_size;
     uint64_t valid = job->f_short ? (size / 2) & ~1ull : size;
@@ -343,9 +395,11 @@ static void stage_d2h(emu_device *dev, int e, emu_job *job)
     if (guard && emu_checksum(ob->map.host, size) != job->out_sum)
         violated = 1;
     memcpy(ob->map.host, ob->devmem, valid);
-    sleep_until_ns(deadline);
-    job->d2h_ns = emu_now_ns() - started;
+    int64_t end = emu_stage_end_ns(start, latency, emu_now_ns() - now);
+    sleep_until_ns(start + latency);
     stage_leave(dev, e);
+    stage_ended(dev, e, job, end);
+    job->d2h_ns = end - start > 0 ? end - start : 1;
     if (violated)
         dev->c.dma_output_violations++;
     job->valid_bytes = valid;

@@ -151,6 +151,8 @@ typedef struct emu_job {
     int kv_failed; /* a Wait failure was reported before the job executed */
     uint64_t valid_bytes;
     int64_t h2d_ns, d2h_ns; /* measured H2D / D2H stage durations, 0: not run */
+    int64_t ready_ns; /* when its next stage may start in the model: infer(), then the end of
+                         each stage (emu_stage_start_ns) */
     int computed;
     struct emu_job *next;
 } emu_job;
@@ -163,6 +165,7 @@ typedef struct emu_engine {
     emu_job *head, *tail;
     int count;
     int in_stage;
+    int64_t free_ns; /* when its last stage ended in the model */
 } emu_engine;
 
 typedef struct emu_ghost {
@@ -211,6 +214,7 @@ typedef struct emu_device {
     uint64_t next_job_id;
     int job_owner;     /* OVERLAP_NONE: engine running a job, -1 free */
     int compute_owner; /* OVERLAP_DMA: engine computing, -1 free */
+    int64_t job_free_ns, compute_free_ns; /* when the last owner's job / compute ended in the model */
     emu_ghost *ghosts;
     emu_fault faults[CALRT_EMU_FAULT_COUNT];
     uint64_t kv_rng;
@@ -237,6 +241,15 @@ uint64_t emu_sm(uint64_t z);
 uint64_t emu_mix(uint64_t state, int32_t token, uint32_t pos);
 uint64_t emu_checksum(const void *p, uint64_t n);
 int64_t emu_now_ns(void);
+/* The modelled time of a stage (pure arithmetic, checked by emu_check.c). A stage starts in
+ * the model at the latest of: the job's previous stage's modelled end (infer() for H2D), the
+ * engine's last stage's modelled end, and the modelled end of the stage of another engine whose
+ * release it waited for (overlap rules); never after `now`, when its thread started it, and at
+ * `now` in stepped mode. It ends `max(latency, work)` after that start: the thread's wake-up
+ * lateness is not the device's time. */
+int64_t emu_stage_start_ns(int64_t ready_ns, int64_t engine_free_ns, int64_t resource_free_ns, int64_t now_ns,
+                           int stepped);
+int64_t emu_stage_end_ns(int64_t start_ns, int64_t latency_ns, int64_t work_ns);
 int emu_fault_fire(emu_device *dev, int point); /* dev->mu held */
 int emu_engine_start(emu_device *dev, int e); /* 1 started, 0 failed */
 /* Run one step on engine e with dev->mu held (released during stage work). */

@@ -1270,6 +1270,7 @@ static int32_t infer_locked(emu_device *dev, emu_model *m, emu_kv *kv, int32_t s
         eng->head = job;
     eng->tail = job;
     eng->count++;
+    job->ready_ns = emu_now_ns(); /* the device starts it now in the model, not when its thread wakes */
     dev->c.jobs_submitted++;
     pthread_cond_broadcast(&dev->work_cv);
     return CALRT_SUCCESS;
