@@ -69,3 +69,36 @@ def test_engine_threads_sleep_with_1ns_slack_and_python_threads_keep_theirs(tmp_
         assert _slack_ns(os.getpid()) == own  # the calling (Python) thread's is untouched
     finally:
         runner.close()
+
+
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches in /proc/self/task/{tid}/status")
+
+
+def test_an_idle_engine_sleeps_through_the_other_engines_jobs(tmp_path):
+    """Not in parallel mode every job runs on engine 0: engine 1's thread is not woken by
+    them (it was, at every stage and signal of each job: about 6 wake-ups a job, a host
+    core's CPU taken at the moments the host's own threads wake for the result)."""
+    if not os.path.exists("/proc/self/task"):
+        pytest.skip("no /proc/self/task here")
+    path = tmp_path / "q.calbin"
+    calbin.write(str(path), calbin.default_spec(seed=7))
+    runner = DirectRunner(CalRT.load(), str(path))
+    try:
+        idle = _threads_named("calrt-emu-e1")
+        assert idle, "the device's engine threads are named calrt-emu-eN"
+        runner.run(calbin.PREFILL_IDS, 0, 0, tokens=[5, 6, 7])
+        before = [_voluntary_switches(tid) for tid in idle]
+        jobs = 40
+        token = 1
+        for past in range(3, 3 + jobs):
+            runner.run(calbin.DECODE, 0, past, tokens=[token])
+            token = (token * 31 + 7) % 1000
+        woken = sum(_voluntary_switches(tid) for tid in idle) - sum(before)
+        assert woken <= 2, f"engine 1 woke {woken} times over {jobs} jobs of engine 0"
+    finally:
+        runner.close()

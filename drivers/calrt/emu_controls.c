@@ -37,7 +37,7 @@ int32_t calrt_emu_set_knob(calrt_device *h, const char *key, int64_t value)
     if (value < k->min || value > k->max)
         return emu_unlock_rc(dev, CALRT_ERR_INVALID_VALUE);
     *emu_knob_ptr(dev, k) = value;
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
     return emu_unlock_rc(dev, CALRT_SUCCESS);
 }
 
@@ -105,7 +105,7 @@ int32_t calrt_emu_set_stepped(calrt_device *h, int32_t on)
     if (!dev)
         return CALRT_ERR_INVALID_VALUE;
     dev->k.stepped = on != 0;
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
     return emu_unlock_rc(dev, CALRT_SUCCESS);
 }
 

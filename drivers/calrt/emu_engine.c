@@ -219,7 +219,7 @@ void emu_job_finish(emu_device *dev, emu_job *job, int32_t status)
     }
     emu_job_free(job);
     pthread_cond_broadcast(&dev->done_cv);
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
 }
 
 /* The modelled start of engine e's head job's next stage, at `now` (dev->mu held): the
@@ -253,7 +253,7 @@ static void stage_leave(emu_device *dev, int e)
     pthread_mutex_lock(&dev->mu);
     dev->eng[e].in_stage = 0;
     pthread_cond_broadcast(&dev->stage_cv);
-    pthread_cond_broadcast(&dev->work_cv); /* a blocked engine or a due stale completion */
+    emu_wake_engines(dev); /* a blocked engine or a due stale completion */
 }
 
 /* Deliver the first pending stale completion; dev->mu held throughout. Only between
@@ -376,7 +376,7 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
     if (dev->compute_owner == e) {
         dev->compute_owner = -1;
         dev->compute_free_ns = done;
-        pthread_cond_broadcast(&dev->work_cv);
+        emu_wake_engines(dev);
     }
     job->stage = job->result == CALRT_JOB_DONE ? CALRT_EMU_STAGE_D2H : CALRT_EMU_STAGE_SIGNAL;
 }
@@ -493,6 +493,8 @@ static void *engine_main(void *arg)
     prctl(PR_SET_NAME, (unsigned long)name, 0UL, 0UL, 0UL);
 #endif
     pthread_mutex_lock(&dev->mu);
+    eng->up = 1;
+    pthread_cond_broadcast(&dev->stage_cv);
     while (!dev->closing) {
         if (e == 0 && dev->ghosts && !dev->k.stepped && dev->ghosts->due_ns <= emu_now_ns() &&
             emu_deliver_ghost_locked(dev))
@@ -506,13 +508,20 @@ static void *engine_main(void *arg)
             struct timespec ts;
             ts.tv_sec = (time_t)(dev->ghosts->due_ns / 1000000000LL);
             ts.tv_nsec = (long)(dev->ghosts->due_ns % 1000000000LL);
-            pthread_cond_timedwait(&dev->work_cv, &dev->mu, &ts);
+            pthread_cond_timedwait(&eng->cv, &dev->mu, &ts);
         } else {
-            pthread_cond_wait(&dev->work_cv, &dev->mu);
+            pthread_cond_wait(&eng->cv, &dev->mu);
         }
     }
     pthread_mutex_unlock(&dev->mu);
     return NULL;
+}
+
+void emu_wake_engines(emu_device *dev)
+{
+    for (int e = 0; e < NUM_ENGINES; e++)
+        if (dev->closing || dev->eng[e].head || (e == 0 && dev->ghosts))
+            pthread_cond_broadcast(&dev->eng[e].cv);
 }
 
 int emu_engine_start(emu_device *dev, int e)

@@ -162,10 +162,12 @@ typedef struct emu_engine {
     int index;
     pthread_t thread;
     int started;
+    int up; /* its thread runs (named, timer slack set): calrt_device_open waits for it */
     emu_job *head, *tail;
     int count;
     int in_stage;
     int64_t free_ns; /* when its last stage ended in the model */
+    pthread_cond_t cv; /* its thread waits here for work (emu_wake_engines) */
 } emu_engine;
 
 typedef struct emu_ghost {
@@ -196,7 +198,6 @@ typedef struct emu_knobs {
 typedef struct emu_device {
     emu_obj h;
     pthread_mutex_t mu;
-    pthread_cond_t work_cv;  /* engines: new work, reset, close, stepped off */
     pthread_cond_t done_cv;  /* waiters: a job finished or was aborted */
     pthread_cond_t stage_cv; /* resets/close/steppers: a stage ended */
     emu_knobs k;
@@ -252,6 +253,10 @@ int64_t emu_stage_start_ns(int64_t ready_ns, int64_t engine_free_ns, int64_t res
 int64_t emu_stage_end_ns(int64_t start_ns, int64_t latency_ns, int64_t work_ns);
 int emu_fault_fire(emu_device *dev, int point); /* dev->mu held */
 int emu_engine_start(emu_device *dev, int e); /* 1 started, 0 failed */
+/* Wake the engine threads that have something to do (dev->mu held): a job queued, a stale
+ * completion (engine 0), the close. An idle engine is left asleep: every job used to wake
+ * both engines at each stage, the idle one's wake-ups a host thread's CPU no device costs. */
+void emu_wake_engines(emu_device *dev);
 /* Run one step on engine e with dev->mu held (released during stage work). */
 int32_t emu_engine_advance(emu_device *dev, int e, int what, int32_t *did);
 void emu_job_finish(emu_device *dev, emu_job *job, int32_t status);

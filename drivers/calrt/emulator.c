@@ -270,7 +270,8 @@ static void device_free(emu_device *dev)
         free(dev->kv->seqs);
         free(dev->kv);
     }
-    pthread_cond_destroy(&dev->work_cv);
+    for (int e = 0; e < NUM_ENGINES; e++)
+        pthread_cond_destroy(&dev->eng[e].cv);
     pthread_cond_destroy(&dev->done_cv);
     pthread_cond_destroy(&dev->stage_cv);
     pthread_mutex_destroy(&dev->mu);
@@ -289,7 +290,7 @@ int emu_any_in_stage(emu_device *dev)
 static void device_shutdown(emu_device *dev)
 {
     dev->closing = 1;
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
     pthread_cond_broadcast(&dev->done_cv);
     pthread_cond_broadcast(&dev->stage_cv);
     while (dev->waiters > 0 || emu_any_in_stage(dev))
@@ -318,7 +319,8 @@ int32_t calrt_device_open(const char *config, calrt_device **out)
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_mutex_init(&dev->mu, NULL);
-    pthread_cond_init(&dev->work_cv, &ca);
+    for (int e = 0; e < NUM_ENGINES; e++)
+        pthread_cond_init(&dev->eng[e].cv, &ca);
     pthread_cond_init(&dev->done_cv, &ca);
     pthread_cond_init(&dev->stage_cv, &ca);
     pthread_condattr_destroy(&ca);
@@ -341,6 +343,10 @@ int32_t calrt_device_open(const char *config, calrt_device **out)
             calrt_device_close((calrt_device *)(uintptr_t)dev->h.handle);
             return CALRT_ERR_MEM_ALLOC;
         }
+    /* the device is open once its engine threads run: named and with their timer slack */
+    for (int e = 0; e < NUM_ENGINES; e++)
+        while (!dev->eng[e].up)
+            pthread_cond_wait(&dev->stage_cv, &dev->mu);
     pthread_mutex_unlock(&dev->mu);
     *out = (calrt_device *)(uintptr_t)dev->h.handle;
     return CALRT_SUCCESS;
@@ -1272,7 +1278,7 @@ static int32_t infer_locked(emu_device *dev, emu_model *m, emu_kv *kv, int32_t s
     eng->count++;
     job->ready_ns = emu_now_ns(); /* the device starts it now in the model, not when its thread wakes */
     dev->c.jobs_submitted++;
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
     return CALRT_SUCCESS;
 }
 
@@ -1461,7 +1467,7 @@ static int32_t do_reset(calrt_device *h, int kind)
         dev->c.resets_configuration++;
     else
         dev->c.resets_full++;
-    pthread_cond_broadcast(&dev->work_cv);
+    emu_wake_engines(dev);
     pthread_cond_broadcast(&dev->done_cv);
     return emu_unlock_rc(dev, CALRT_SUCCESS);
 }
