@@ -25,8 +25,8 @@
  * Latency: each stage sleeps on an absolute CLOCK_MONOTONIC deadline (clock_nanosleep, the
  * engine threads' timer slack 1 ns): its modelled start plus its profile. A stage starts in
  * the model when the job is ready (infer(), then its previous stage's modelled end), its
- * engine's last stage ended and any resource the overlap rules made it wait for was released,
- * never after its thread started it (at the caller's step in stepped mode), and lasts
+ * engine's last stage ended, any resource the overlap rules made it wait for was released and
+ * the stepped mode that held it ended, never after its thread started it (at the caller's step in stepped mode), and lasts
  * max(real work, profile) from there: a job completes at infer() + its stages' profiles,
  * whatever its engine thread's wake-up lateness (emu_stage_start_ns, emu_check.c).
  * compute = decode_us for decode graphs, prefill_per_token_us * cur_seq_len for prefill.

@@ -36,7 +36,10 @@ int32_t calrt_emu_set_knob(calrt_device *h, const char *key, int64_t value)
         return emu_unlock_rc(dev, CALRT_ERR_INVALID_CONFIG);
     if (value < k->min || value > k->max)
         return emu_unlock_rc(dev, CALRT_ERR_INVALID_VALUE);
+    int64_t stepped = dev->k.stepped;
     *emu_knob_ptr(dev, k) = value;
+    if (stepped && !dev->k.stepped)
+        dev->resumed_ns = emu_now_ns();
     emu_wake_engines(dev);
     return emu_unlock_rc(dev, CALRT_SUCCESS);
 }
@@ -104,6 +107,8 @@ int32_t calrt_emu_set_stepped(calrt_device *h, int32_t on)
     emu_device *dev = (emu_device *)emu_acquire(h, OBJ_DEVICE);
     if (!dev)
         return CALRT_ERR_INVALID_VALUE;
+    if (dev->k.stepped && !on)
+        dev->resumed_ns = emu_now_ns();
     dev->k.stepped = on != 0;
     emu_wake_engines(dev);
     return emu_unlock_rc(dev, CALRT_SUCCESS);

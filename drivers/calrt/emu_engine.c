@@ -223,13 +223,14 @@ void emu_job_finish(emu_device *dev, emu_job *job, int32_t status)
 }
 
 /* The modelled start of engine e's head job's next stage, at `now` (dev->mu held): the
- * resource is the one the overlap rules made it wait for (may_start). */
+ * resource is the one the overlap rules made it wait for (may_start), or the end of the
+ * stepped mode that held it. */
 static int64_t stage_start(emu_device *dev, int e, const emu_job *job, int stage, int64_t now)
 {
-    int64_t resource = 0;
-    if (dev->k.overlap == CALRT_EMU_OVERLAP_NONE && stage == CALRT_EMU_STAGE_H2D)
+    int64_t resource = dev->resumed_ns; /* a device held in stepped mode ran nothing meanwhile */
+    if (dev->k.overlap == CALRT_EMU_OVERLAP_NONE && stage == CALRT_EMU_STAGE_H2D && dev->job_free_ns > resource)
         resource = dev->job_free_ns;
-    if (dev->k.overlap == CALRT_EMU_OVERLAP_DMA && stage == CALRT_EMU_STAGE_COMPUTE)
+    if (dev->k.overlap == CALRT_EMU_OVERLAP_DMA && stage == CALRT_EMU_STAGE_COMPUTE && dev->compute_free_ns > resource)
         resource = dev->compute_free_ns;
     return emu_stage_start_ns(job->ready_ns, dev->eng[e].free_ns, resource, now, dev->k.stepped != 0);
 }

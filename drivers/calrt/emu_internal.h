@@ -216,6 +216,7 @@ typedef struct emu_device {
     int job_owner;     /* OVERLAP_NONE: engine running a job, -1 free */
     int compute_owner; /* OVERLAP_DMA: engine computing, -1 free */
     int64_t job_free_ns, compute_free_ns; /* when the last owner's job / compute ended in the model */
+    int64_t resumed_ns; /* when stepped mode last ended: a job it held starts no earlier */
     emu_ghost *ghosts;
     emu_fault faults[CALRT_EMU_FAULT_COUNT];
     uint64_t kv_rng;
@@ -245,7 +246,7 @@ int64_t emu_now_ns(void);
 /* The modelled time of a stage (pure arithmetic, checked by emu_check.c). A stage starts in
  * the model at the latest of: the job's previous stage's modelled end (infer() for H2D), the
  * engine's last stage's modelled end, and the modelled end of the stage of another engine whose
- * release it waited for (overlap rules); never after `now`, when its thread started it, and at
+ * release it waited for (overlap rules) or of the stepped mode that held it; never after `now`, when its thread started it, and at
  * `now` in stepped mode. It ends `max(latency, work)` after that start: the thread's wake-up
  * lateness is not the device's time. */
 int64_t emu_stage_start_ns(int64_t ready_ns, int64_t engine_free_ns, int64_t resource_free_ns, int64_t now_ns,
