@@ -183,7 +183,8 @@ class ChatMessage(BaseModel):
     unused: null is accepted; a refusal is the message's text when it has no content; the
     ``parsed`` of the SDK's parse helpers (its own parse of the content) is ignored; tool
     calls are rendered by the chat template (drivers/serving/grammar.py), as are ``tool``
-    messages (``tool_call_id``); non-null function calls and audio are refused
+    messages (``tool_call_id``) and an assistant's reasoning (``reasoning_content`` or
+    ``reasoning``: :func:`reasoning_text`); non-null function calls and audio are refused
     (:func:`message_text`)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -200,6 +201,17 @@ class ChatMessage(BaseModel):
     # the SDK's ParsedChatCompletionMessage (chat.completions.parse / .stream helpers): the
     # client's own parse of the content, sent back when the message is appended as it is
     parsed: Any = None
+    # an assistant's reasoning, as a reasoning server returned it and clients send it back:
+    # vLLM's ``reasoning`` (its name since it renamed ``reasoning_content``) and
+    # ``reasoning_content`` (older vLLM, DeepSeek, litellm, pydantic-ai); both given to the
+    # chat template, as vLLM gives them (:func:`reasoning_text`)
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
+    # litellm's Anthropic-style blocks: null or [] accepted (what litellm dumps), others refused
+    thinking_blocks: list[dict[str, Any]] | None = None
+    # litellm's copy of the reply's provider fields (a vLLM reply's ``reasoning``): its
+    # ``reasoning``/``reasoning_content`` are the message's reasoning, the rest metadata
+    provider_specific_fields: dict[str, Any] | None = None
 
 
 class ChatRequest(_Body):
@@ -738,7 +750,7 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
     it has them): ``content`` (missing, null, or an empty list of parts) for a system,
     developer or user message and for a tool message, which also needs ``tool_call_id``; an
     assistant message may leave ``content`` out when it has ``tool_calls`` (or, as the SDK
-    dumps a refused answer, a ``refusal``)."""
+    dumps a refused answer, a ``refusal``; or reasoning, a reply cut while it reasoned)."""
     role = message.role
     if role == "tool" and message.tool_call_id is None:
         return Refusal(invalid(f"messages[{index}].tool_call_id: missing, a \"tool\" message "
@@ -747,8 +759,9 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
     if message.content is not None and message.content != []:
         return None
     if role == "assistant":
-        if message.tool_calls or message.refusal is not None:
-            return None
+        if (message.tool_calls or message.refusal is not None
+                or message.reasoning_content is not None or message.reasoning is not None):
+            return None  # (a reply cut while it reasoned: its reasoning, no content)
         needs = "content or tool_calls"
     else:
         needs = "content (a string or a list of text parts)"
@@ -801,14 +814,66 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "\n".join(texts)
 
 
+#: an assistant message's reasoning: vLLM's older name and its newer one
+REASONING_FIELDS = ("reasoning_content", "reasoning")
+
+
+def reasoning_text(message: ChatMessage, index: int) -> str | None:
+    """An assistant message's reasoning, None when it has none: its ``reasoning_content`` or
+    ``reasoning`` (one text under two names: vLLM reads ``reasoning`` and gives the template
+    both; clients of older vLLM, DeepSeek, litellm and pydantic-ai send
+    ``reasoning_content``; litellm also its ``provider_specific_fields.reasoning``). Refused
+    (400 naming the field): two of them given and different (one would be lost), reasoning
+    on another role's message (no template reads it there), and
+    non-empty ``thinking_blocks`` (litellm's Anthropic blocks: signed for Anthropic,
+    nothing a Qwen3 template reads; send their text as ``reasoning_content``)."""
+    if message.thinking_blocks:
+        raise Refusal(invalid(f"messages[{index}].thinking_blocks="
+                              f"{shown(message.thinking_blocks, 80)}: Anthropic-style thinking "
+                              "blocks are not supported: send the reasoning text as "
+                              "reasoning_content (or null/[] thinking_blocks)"),
+                      f"messages.{index}.thinking_blocks")
+    given = {key: value for key in REASONING_FIELDS
+             if (value := getattr(message, key)) is not None}
+    for key, value in (message.provider_specific_fields or {}).items():
+        if key not in REASONING_FIELDS or value is None:
+            continue  # (litellm's other provider metadata: nothing a template reads)
+        field = f"provider_specific_fields.{key}"
+        if not isinstance(value, str):
+            raise Refusal(invalid(f"messages[{index}].{field}={shown(value, 80)}: must be a "
+                                  "string (the reasoning text) or null"),
+                          f"messages.{index}.{field}")
+        given[field] = value
+    if not given:
+        return None
+    if message.role != "assistant":
+        key = next(iter(given))
+        raise Refusal(invalid(f"messages[{index}].{key}={shown(given[key], 80)}: only an "
+                              f"assistant message carries reasoning, not a "
+                              f"{shown(message.role, 80)} one"), f"messages.{index}.{key}")
+    first, *others = given.items()
+    for key, value in others:
+        if value != first[1]:
+            raise Refusal(invalid(f"messages[{index}].{key}={shown(value, 80)}: differs from "
+                                  f"its {first[0]}={shown(first[1], 80)}; send one of them "
+                                  "(they are one text under two names)"),
+                          f"messages.{index}.{key}")
+    return first[1]
+
+
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     """A message as the chat template reads it: role and content, its ``name`` when given
     (as vLLM passes it: a template may write the speaker's name; it was dropped), an
-    assistant's ``tool_calls`` (checked: grammar.check_history_calls), a tool message's
-    ``tool_call_id``."""
+    assistant's reasoning as ``reasoning_content`` and ``reasoning`` (as vLLM passes it:
+    Qwen3's template writes it in ``<think>`` for the turns after the last user message;
+    the plain template does not write it), an assistant's ``tool_calls`` (checked:
+    grammar.check_history_calls), a tool message's ``tool_call_id``."""
     entry: dict[str, Any] = {"role": message.role, "content": message_text(message, index)}
     if message.name is not None:
         entry["name"] = message.name
+    reasoning = reasoning_text(message, index)
+    if reasoning is not None:
+        entry["reasoning_content"] = entry["reasoning"] = reasoning
     if message.tool_calls:
         try:
             entry["tool_calls"] = grammar.check_history_calls(
