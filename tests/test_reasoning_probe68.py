@@ -71,7 +71,8 @@ def test_each_recorded_body_is_answered_and_its_reasoning_kept_out_of_the_plain_
         live, name, i):
     """Every recorded body is answered 200 (those with reasoning in the history were a 400
     ``unknown parameter``); the plain template (the byte-level tokenizer's) does not write
-    reasoning, so the prompt is the one of the same body without it."""
+    reasoning, so the prompt is the one of the same body without it; ``/tokenize`` of the
+    messages counts it as the chat does."""
     server, _, _ = live
     body = {**BODIES[name][i]["body"], "model": MODEL, "max_tokens": 2, "stream": False}
     body.pop("stream_options", None)
@@ -84,6 +85,12 @@ def test_each_recorded_body_is_answered_and_its_reasoning_kept_out_of_the_plain_
                            timeout=TIMEOUT_S)
         assert plain.status_code == 200, plain.text
         assert answer["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+        # vLLM's /tokenize of the same messages (and tools) counts the chat's prompt
+        counted = httpx.post(f"{server.url}/tokenize", timeout=TIMEOUT_S, json={
+            "messages": body["messages"],
+            **({"tools": body["tools"]} if body.get("tools") else {})})
+        assert counted.status_code == 200, counted.text
+        assert counted.json()["count"] == answer["usage"]["prompt_tokens"]
 
 
 def test_qwen3s_template_writes_the_reasoning_of_a_tool_loop_in_think():
