@@ -713,7 +713,7 @@ class DeviceExecutor(SequenceOwnership):
         txn = (gen.kvc.reserve_next(arm.prev_txn, tokens)
                if arm is not None and arm.prev_txn is not None else
                gen.kvc.reserve(request.seq_id, request.past_len, tokens, wait_until, stop,
-                               reserve_len=request.kv_reserve_len))
+                               reserve_len=request.kv_reserve_len, speculative=speculative))
         if isinstance(txn, Status):
             self.dispatch.release_budget(job)
             return self.outcomes.fail_early(job, txn.with_context(job_id=job.job_id))

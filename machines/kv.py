@@ -10,9 +10,9 @@ bumped under ``admission_mu`` whenever capacity is given back, closes the window
 failed ``Apply`` and the wait: no release can be missed, and no thread spins. A refusal of
 blocks the coordinator's own books (``_applied``: every Apply and release it made) show free
 is the runtime's, not a shortage: no release need come to end it (on an idle device none
-does), so it is reported (``kv.refused``, §8 TRANSIENT, once a reservation) and retried after
-the fault sink's back-off, ``refusal_retries`` times at most, before the wait is for a
-release alone.
+does), so it is reported (``kv.refused``, §8 TRANSIENT, once a reservation; not a pre-arm's,
+a guess nobody asked for: ``speculative``) and retried after the fault sink's back-off,
+``refusal_retries`` times at most, before the wait is for a release alone.
 
 A successful reserve opens a ``KvTxn``: a run of the declared ``KvTxnChart`` (Reserved ->
 Submitted -> Committed | Unknown; Reserved -> RolledBack). The coordinator keeps one view per
@@ -306,7 +306,7 @@ class KvCoordinator:
     # ---- the transaction -----------------------------------------------------------------------
     def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float,
                 stop: Callable[[], Status | None] = lambda: None,
-                reserve_len: int | None = None) -> KvTxn | Status:
+                reserve_len: int | None = None, speculative: bool = False) -> KvTxn | Status:
         """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens, and at
         least ``reserve_len`` tokens (the request's ``kv_reserve_len``: everything it needs to
         finish, applied all or nothing so it never holds part of the KV while waiting for the
@@ -316,7 +316,12 @@ class KvCoordinator:
         (absolute ``time.monotonic()``) passes, or ``stop()`` returns a Status (cancel).
         A reservation only grows: a job with ``past_len`` below the committed length rewinds
         on the device (which keeps a state per position) without shrinking anything first,
-        so a rollback never has to undo a truncation."""
+        so a rollback never has to undo a truncation.
+
+        ``speculative``: a guess nobody asked for yet (a pre-arm, which never waits): a
+        refusal the host's books contradict is not reported nor retried (``_refused``); the
+        request, if it comes, reserves the ordinary way and meets it (reported once), as a
+        guess's other faults are not reported (``JobOutcomes.fail_before_submit``)."""
         target = past_len + token_count
         ctx = {"seq_id": seq_id, "generation": self.generation_id}
         if self.on_busy is not None:
@@ -371,7 +376,7 @@ class KvCoordinator:
             ended = None
             if self.blocks_for(apply_target) > self.blocks_for(old_reserved):
                 ended = self._wait_for_capacity(seq_id, apply_target, old_reserved, deadline,
-                                                stop, ctx)
+                                                stop, ctx, speculative)
         except BaseException:
             self._unclaim(seq_id, claim)
             raise
@@ -394,8 +399,8 @@ class KvCoordinator:
             self._bump()
 
     def _wait_for_capacity(self, seq_id: int, target: int, reserved: int, deadline: float,
-                           stop: Callable[[], Status | None], ctx: dict[str, Any]
-                           ) -> Status | None:
+                           stop: Callable[[], Status | None], ctx: dict[str, Any],
+                           speculative: bool = False) -> Status | None:
         """None when Apply succeeded; else the Status that ended the wait.
 
         A fresh reservation (the sequence holds no block) is admitted first come, first
@@ -408,7 +413,7 @@ class KvCoordinator:
         ticket = _Claim(seq_id, "reserving KV capacity")
         try:
             return self._wait_in_turn(seq_id, target, needed, fresh, ticket, deadline, stop,
-                                      ctx)
+                                      ctx, speculative)
         finally:
             if ticket.what == _QUEUED:  # set under admission_mu when it joined the queue
                 with self.admission_mu:
@@ -418,7 +423,7 @@ class KvCoordinator:
 
     def _wait_in_turn(self, seq_id: int, target: int, needed: int, fresh: bool,
                       ticket: _Claim, deadline: float, stop: Callable[[], Status | None],
-                      ctx: dict[str, Any]) -> Status | None:
+                      ctx: dict[str, Any], speculative: bool = False) -> Status | None:
         waited = False  # it waited for KV: its deadline passing is the KV's answer
         refusals = 0  # refusals the host's books contradicted (retried after a back-off)
         while True:
@@ -443,7 +448,7 @@ class KvCoordinator:
                 granted, free = self._try_apply(seq_id, target, needed)
                 if granted:
                     return None
-                if free is not None:
+                if free is not None and not speculative:  # (a guess: not reported)
                     refusals += 1
                     retry_at = self._refused(seq_id, target, needed, free, refusals, ctx)
             with self.admission_mu:

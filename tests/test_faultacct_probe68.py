@@ -123,3 +123,29 @@ def test_a_refused_csr_write_of_a_recoverys_golden_run_is_reported_once(calbin, 
                  and "fault calrt.csr_failed" in r.getMessage()]
         assert len(lines) == 1, lines
         assert "seq_id=0 generation=2 raw=4" in lines[0], lines
+
+
+def test_a_refusal_a_streams_pre_armed_guess_met_is_reported_once_by_its_step(calbin, caplog):
+    """``decode_stream`` arms its first step at once, a guess nobody asked for yet (no wait:
+    its deadline is now). The KvManager refusing its growth was reported ``kv.refused`` by
+    the guess, and again by the step the caller then submitted, which reserved the ordinary
+    way and met the same refusal: two faults and two lines for one step (twice as fast to
+    the transient threshold's rebuild), and one for a stream whose step never came. A guess
+    reports nothing (as ``JobOutcomes.fail_before_submit`` does not report a guess's fault):
+    the step reports the refusal it meets, once."""
+    caplog.set_level(logging.INFO, logger="calexec")
+    with running_executor(calbin, "kv_block_size=4") as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(30))
+        assert not isinstance(first, Status), first
+        arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")  # step 1 (position 4) needs a second block
+        stream = ex.decode_stream(1, first.kv_len, deadline(2.0))
+        try:
+            until(lambda: fired(ex, "CAN_ALLOCATE_FALSE") >= 1, 30, "the guess's reservation")
+            assert ex.faults.reported() == []  # the guess: nobody asked for it
+            step = stream.submit(first.argmax)
+            res = step if isinstance(step, Status) else step.wait_until(deadline(30))
+        finally:
+            stream.close()
+        assert isinstance(res, Status) and res.code == "kv.deadline", res
+        assert ex.faults.reported() == [("transient", "kv.refused", None, 1)]
+        assert len(_kv_fault_lines(caplog)) == 1, _kv_fault_lines(caplog)
