@@ -90,8 +90,12 @@ def test_system_fingerprint_changes_with_each_thing_that_changes_answers(changed
 
 
 @pytest.mark.parametrize(("line", "named"), [
-    (b"NoColonHere", 'Invalid header token at header field line 3 ("NoColonHere", no colon: '
-                     'a field line is name: value)'),
+    (b"NoColonHere", 'Invalid header token at header field line 3 (no colon: a field line '
+                     'is name: value; a line of one word is not shown: it may be a value '
+                     'broken onto a line of its own)'),
+    (b"sk-live-secret-0123456789", 'Invalid header token at header field line 3 (no colon: '
+     'a field line is name: value; a line of one word is not shown: it may be a value '
+     'broken onto a line of its own)'),
     (b"Authorization Bearer sk-secret-token-123456789",
      'Invalid header token at header field line 3 ("Authorization", no colon: a field line '
      'is name: value)'),
@@ -101,13 +105,17 @@ def test_system_fingerprint_changes_with_each_thing_that_changes_answers(changed
     (b"X-" + b"n" * 100 + b" y",
      'Invalid header token at header field line 3 ("X-' + "n" * 38 + '...", no colon: a '
      'field line is name: value)'),
-], ids=["no-colon", "credential", "space-in-name", "control-in-value", "latin-1", "long"])
+], ids=["no-colon", "value-on-its-own-line", "credential", "space-in-name",
+        "control-in-value", "latin-1", "long"])
 def test_a_malformed_header_line_is_named_in_the_400(serve_like, line, named):
     """``POST /v1/completions`` with a header block holding a malformed line was refused
     ``Invalid HTTP request received: Invalid header token.``, the parser's reason alone: a
     client sending a dozen fields could not tell which one was wrong. The 400 now names the
     line (counted from the one after the request line) and its name up to the colon, at most
-    40 characters, JSON-escaped; never a value, which may be a credential."""
+    40 characters, JSON-escaped; never a value, which may be a credential. A line of one word
+    and no colon is not shown (stop 68's review): a value broken onto a line of its own
+    (``X-Api-Key: part1`` then ``sk-live-...``) was shown whole, in the 400 and the server's
+    WARNING line."""
     raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Ok: 1\r\n" + line
            + b"\r\nContent-Length: 2\r\n\r\n{}")
     data, how = send_raw(serve_like.port, raw, timeout=30)

@@ -236,8 +236,10 @@ def field_line_refused(parser_error: str, data: bytes, url: bytes, fields: int) 
     first that is no ``name: value`` line, else (a Content-Length refused) the last
     Content-Length line. Shown: its name up to the colon, or, a line without one, up to its
     first space (at most :data:`FIELD_SHOWN_CHARS` characters, escaped as JSON writes them);
-    never a value, which may be a credential. Until stop 68 the 400 said only the parser's
-    reason, so a client sending many fields could not tell which line was wrong."""
+    never a value, which may be a credential: a line of one word and no colon is not shown
+    (a value broken onto a line of its own by a CR LF inside it, ``sk-live-...``, was shown
+    whole, in the 400 and the server's WARNING line). Until stop 68 the 400 said only the
+    parser's reason, so a client sending many fields could not tell which line was wrong."""
     said = parser_error.lower()
     if not url or not any(reason in said for reason in _FIELD_REASONS):
         return None
@@ -264,7 +266,12 @@ def field_line_refused(parser_error: str, data: bytes, url: bytes, fields: int) 
                 "refuse: write the value on one line)")
     name, colon, _ = lines[bad].partition(b":")
     if not colon:
-        name = lines[bad].split(None, 1)[0] if lines[bad].strip() else b""
+        words = lines[bad].split(None, 1)
+        if len(words) < 2:  # no name before a value: the line may be all value
+            return (f" at header field line {bad + 1} (no colon: a field line is name: value; "
+                    "a line of one word is not shown: it may be a value broken onto a line of "
+                    "its own)")
+        name = words[0]
     text = name.decode("latin-1")
     cut = text[:FIELD_SHOWN_CHARS] + ("..." if len(text) > FIELD_SHOWN_CHARS else "")
     what = (json.dumps(cut + ": ...") if colon
