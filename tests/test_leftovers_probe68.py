@@ -127,6 +127,25 @@ def test_a_malformed_header_line_is_named_in_the_400(serve_like, line, named):
     assert b"secret" not in rest
 
 
+def test_a_malformed_line_of_a_pipelined_request_names_no_other_requests_line(serve_like):
+    """Two requests to the same target in one write, the first with a control character in a
+    value: the 400 named a line of the second, well-formed one (``header field line 2
+    ("Content-Length: ...")``, the line after the fields the parser delivered for the first),
+    sending the client to the wrong line: the request line was looked up from the end of what
+    was received. When the target's request line is there more than once, which request the
+    parser stopped in is not known: the 400 says the parser's reason alone."""
+    first = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n"
+             b"Content-Length: 2\r\n\r\n{}")
+    second = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+              b"X-Ok: 1\r\n\r\n{}")
+    data, how = send_raw(serve_like.port, first + second, timeout=30)
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400") and how == "eof", (how, data[:300])
+    error = json.loads(rest[:int(headers["content-length"])])["error"]
+    assert error["message"] == ("Invalid HTTP request received: Invalid header value char."
+                                ), error
+
+
 def _sums_that_hold(snap, pool_size: int | None) -> list[str]:
     """The sums docs/embedding.md says every snapshot keeps (``ExecutorSnapshot``), broken."""
     broken = []

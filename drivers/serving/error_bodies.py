@@ -229,10 +229,12 @@ def field_line_refused(parser_error: str, data: bytes, url: bytes, fields: int) 
     """Where in a request head the field line the HTTP parser refused (``parser_error``:
     "Invalid header token", "Invalid header value char", "Duplicate Content-Length", ...)
     is: `` at header field line N ("name: ...")``, N counted from the line after the request
-    line; None when the error is about something else or the head is not in ``data`` (it
-    came in several reads). ``data`` holds what the connection received; ``url`` the target
-    of the request being parsed; ``fields`` the field lines the parser delivered before it
-    stopped (the line after them, when no line is malformed by itself). The line is the
+    line; None when the error is about something else, the head is not in ``data`` (it
+    came in several reads) or the target's request line is there twice (pipelined requests:
+    which one the parser stopped in is not known). ``data`` holds what the connection
+    received; ``url`` the target of the request being parsed; ``fields`` the field lines the
+    parser delivered before it stopped (the line after them, when no line is malformed by
+    itself). The line is the
     first that is no ``name: value`` line, else (a Content-Length refused) the last
     Content-Length line. Shown: its name up to the colon, or, a line without one, up to its
     first space (at most :data:`FIELD_SHOWN_CHARS` characters, escaped as JSON writes them);
@@ -243,8 +245,11 @@ def field_line_refused(parser_error: str, data: bytes, url: bytes, fields: int) 
     said = parser_error.lower()
     if not url or not any(reason in said for reason in _FIELD_REASONS):
         return None
-    at = data.rfind(b" " + url + b" HTTP/")
-    if at < 0:
+    marker = b" " + url + b" HTTP/"
+    at = data.find(marker)
+    if at < 0 or data.find(marker, at + 1) >= 0:
+        # (twice: pipelined requests to one target, and which one the parser stopped in is
+        # not known here: the second's lines were named for the first's error)
         return None
     lines = []
     for line in data[data.rfind(b"\n", 0, at) + 1:].split(b"\n")[1:]:
