@@ -36,6 +36,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -424,7 +425,8 @@ def remove_stale_scratch(temp_dir: str) -> list[str]:
     with its process (``flock`` locks are the kernel's, released at any death, and hold
     across pid namespaces sharing the directory). Only directories of this user, never
     through a symlink; one without a lock file (another server between making it and
-    locking it, an older calexec's) is left alone. Returns the removed paths."""
+    locking it, an older calexec's) or whose lock is not a regular file (a named pipe: never
+    opened blocking) is left alone. Returns the removed paths."""
     try:
         import fcntl
     except ImportError:  # (no flock: nothing can tell a live server's directory)
@@ -442,10 +444,14 @@ def remove_stale_scratch(temp_dir: str) -> list[str]:
             st = os.lstat(path)
             if not os.path.isdir(path) or os.path.islink(path) or st.st_uid != os.getuid():
                 continue
-            fd = os.open(os.path.join(path, SCRATCH_LOCK), os.O_RDONLY | os.O_NOFOLLOW)
+            # (never blocking: a FIFO's read-only open would wait for a writer)
+            fd = os.open(os.path.join(path, SCRATCH_LOCK),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue  # not a lock file a server made: not its directory to remove
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # a running server holds it

@@ -143,3 +143,30 @@ def test_stale_scratch_is_only_an_unlocked_directory_of_this_user(tmp_path):
         "calexec-replica-x", "calexec-serve-file", "calexec-serve-held", "calexec-serve-link",
         "calexec-serve-nolock"]
     assert remove_stale_scratch(str(tmp_path)) == [str(held)]  # its holder let go
+
+
+def test_a_lock_file_that_is_not_a_regular_file_is_left_without_blocking_the_start(tmp_path):
+    """A ``.lock`` that is a named pipe (only a process of the same user can make one) is
+    neither opened blocking (a FIFO's read-only open waits for a writer: the start would hang
+    for good) nor taken for a stale server's lock: its directory is left."""
+    from calexec.serve import SCRATCH_LOCK, remove_stale_scratch
+
+    odd = tmp_path / "calexec-serve-fifo"
+    odd.mkdir()
+    os.mkfifo(odd / SCRATCH_LOCK)
+    done = threading.Event()
+    result: list[list[str]] = []
+
+    def scan() -> None:
+        result.append(remove_stale_scratch(str(tmp_path)))
+        done.set()
+
+    worker = threading.Thread(target=scan, daemon=True)
+    worker.start()
+    finished = done.wait(30.0)
+    if not finished:  # free the blocked open so the thread ends with the test
+        os.close(os.open(odd / SCRATCH_LOCK, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(5.0)
+    assert finished, "remove_stale_scratch blocked on a FIFO named .lock"
+    assert result == [[]]
+    assert odd.is_dir()
