@@ -207,3 +207,16 @@ def test_a_replica_whose_constructor_fails_past_the_executor_start_shuts_it_down
     left = [t.name for t in starts.ours() if t.is_alive() and t.name.startswith("calexec-")]
     assert left == [], f"the executor's threads still run: {left}"
     assert list(tmp_path.glob("calexec-replica-*")) == []
+
+
+@pytest.mark.parametrize("grace_s", [float("inf"), float("nan"), -1.0])
+def test_a_replica_s_settings_refuse_a_grace_the_executor_would_refuse(grace_s):
+    """``ReplicaSettings.grace_s`` is the replica's ``executor.shutdown(grace=...)``, which
+    refuses a negative or non-finite grace (ValueError): refused when the settings are built,
+    naming the field, not when a replica is stopped (where the drain would fail instead)."""
+    pytest.importorskip("ray")
+    from calexec.drivers.fleet.ray_serve import ReplicaSettings
+
+    with pytest.raises(ValueError, match="grace_s"):
+        ReplicaSettings(grace_s=grace_s)
+    assert ReplicaSettings(grace_s=0.0).grace_s == 0.0

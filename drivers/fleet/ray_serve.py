@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
 import socket
@@ -121,6 +122,13 @@ class ReplicaFailed(RuntimeError):
     """``check_health``'s verdict: the device lifecycle is not one the replica recovers from."""
 
 
+
+def _finite(instance: Any, attribute: Any, value: float) -> None:
+    """attrs validator: a finite number (``executor.shutdown`` refuses an infinite grace)."""
+    if not math.isfinite(value):
+        raise ValueError(f"{attribute.name}={value!r}: must be a finite number of seconds")
+
+
 @attrs.frozen
 class ReplicaSettings:
     """Settings of every replica of the deployment (one device each)."""
@@ -137,7 +145,8 @@ class ReplicaSettings:
     #: library without an explicit kind gets "none", §9.1).
     reset_kind: str | None = None
     #: drain grace of a replica being stopped (requests, then executor shutdown).
-    grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    #: (finite: it is the executor's ``shutdown(grace=...)``, which refuses inf)
+    grace_s: float = attrs.field(default=30.0, validator=[attrs.validators.ge(0), _finite])
     #: the reference server's settings (admin token, sequences, deadlines).
     server: ServerConfig = attrs.field(factory=ServerConfig)
     #: how often the Ray Serve gauges are refreshed.
