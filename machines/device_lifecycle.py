@@ -230,8 +230,9 @@ class LifecycleHost(Protocol):
         """Start ``calexec-submitter`` and ``calexec-completion`` (threads mode)."""
         ...
 
-    def stop_threads(self, timeout: float = 5.0) -> None:
-        """Stop them and wait at most ``timeout`` seconds in all for them to end."""
+    def stop_threads(self, timeout: float = 5.0, deadline: float | None = None) -> None:
+        """Stop them and wait at most ``timeout`` seconds in all for them to end (until
+        ``deadline``, a ``Clock.monotonic()`` value, when given)."""
         ...
 
     def wake_waiters(self) -> None:
@@ -511,7 +512,7 @@ class DeviceLifecycle:
         with self.mu:
             until = self._golden_left_until
         if until is not None:
-            self._drain(max(0.0, until - self._host.clock.monotonic()))
+            self._drain(0.0, deadline=until)
 
     def _start_once(self) -> Status:
         """``start`` after its once-only check (``_start_running`` meanwhile)."""
@@ -1491,16 +1492,21 @@ class DeviceLifecycle:
                 pass
 
     def _drain(self, grace: float, device_too: bool = True,
-               interruptible: bool = False) -> bool:
+               interruptible: bool = False, deadline: float | None = None) -> bool:
         """Wait until every queued job was failed or submitted and every submitted job
         returned from Wait (or the grace ends: bounded). ``device_too`` False: wait only for
         the queued ones (the submitter fails them at once once cancelled), then answer
         whether everything drained, never waiting for a job on the device.
         ``interruptible``: a recovery's drain, which a shutdown's interrupt (``stopping``)
-        ends at once, undrained; the shutdown's own drain, within its grace, takes over."""
+        ends at once, undrained; the shutdown's own drain, within its grace, takes over.
+        ``deadline`` (a ``Clock.monotonic()`` value): the end of a caller's grace, used as is
+        instead of ``grace`` from now (what is left of a deadline, passed on as seconds and
+        added to a later reading, ended later by however long the host kept the thread from
+        that reading)."""
         host = self._host
         clock = host.clock
-        deadline = clock.monotonic() + grace
+        if deadline is None:
+            deadline = clock.monotonic() + grace
         while True:
             if not host.config.threads:
                 while host.submit_one() or host.complete_one():
@@ -1672,7 +1678,7 @@ class DeviceLifecycle:
         try:
             # what is left of grace: the wait for a start or recovery above came out of it
             # (the drain got the whole grace again, so shutdown(2.0) took 3 s)
-            return self._shutdown(grace, left(end))
+            return self._shutdown(grace, end)
         finally:
             self._recovery_mu.release()
 
@@ -1689,12 +1695,17 @@ class DeviceLifecycle:
         self._host.dispatch.cancel_pending()
         self._host.wake_waiters()
 
-    def _shutdown(self, grace: float, budget: float | None = None) -> Status:
-        """The teardown; the fence and the drain wait at most ``budget`` seconds (default
-        ``grace``, what the caller gave, which the messages name)."""
+    def _shutdown(self, grace: float, until: float | None = None) -> Status:
+        """The teardown; the fence, the drain and the threads' exit wait until ``until`` (a
+        ``Clock.monotonic()`` value; default ``grace`` from now, what the caller gave, which
+        the messages name). The caller's deadline itself, not what was left of it: passed on
+        as seconds, it was added to a later reading here and again in the drain and the
+        threads' join, each later by however long a loaded host kept the thread between the
+        readings (``shutdown(2.0)`` gave waits deadlines 2.02-2.04 s after its start)."""
         host = self._host
-        budget = grace if budget is None else budget
-        until = host.clock.monotonic() + max(budget, 0.0)
+        if until is None:
+            until = host.clock.monotonic() + max(grace, 0.0)
+        budget = max(0.0, until - host.clock.monotonic())
         with self.mu:
             already_final = self.run.final
             self.stopping = True
@@ -1730,12 +1741,12 @@ class DeviceLifecycle:
         if not host.config.threads:
             while host.submit_one():
                 pass
-        drained = self._drain(max(0.0, until - host.clock.monotonic()))
+        drained = self._drain(0.0, deadline=until)
         # the threads' exit comes out of the same budget: a completion thread in a Wait() the
         # device never answers was joined 5 s more (shutdown(2.0) took 7 s); drained, the
         # idle threads end at once, and get THREADS_EXIT_S however little is left
-        left = max(0.0, until - host.clock.monotonic())
-        host.stop_threads(left if not drained else max(left, THREADS_EXIT_S))
+        host.stop_threads(deadline=until if not drained else max(
+            until, host.clock.monotonic() + THREADS_EXIT_S))
         with self.mu:
             if drained and fenced and self.run.can(LIFECYCLE_EV_STOP):
                 self.run.send(LIFECYCLE_EV_STOP)

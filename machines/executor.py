@@ -1430,14 +1430,16 @@ class DeviceExecutor(SequenceOwnership):
                 "callback must only hand the result on (loop.call_soon_threadsafe, "
                 "queue.put_nowait) and call the executor from a thread of yours")
 
-    def stop_threads(self, timeout: float = 5.0) -> None:
+    def stop_threads(self, timeout: float = 5.0, deadline: float | None = None) -> None:
         """Stop the submitter and completion threads, waiting at most ``timeout`` seconds in
         all for them to end (a completion thread in a Wait() the device never answers does
-        not end: it is left, a daemon, and the relay stays open for it)."""
+        not end: it is left, a daemon, and the relay stays open for it). ``deadline`` (a
+        ``Clock.monotonic()`` value), when given, ends the wait instead: a shutdown's own,
+        not what was left of it (seconds added to a later reading end later)."""
         self._stopping_threads = True
         self.dispatch.stop()
         self.completion.stop()
-        until = self.clock.monotonic() + max(0.0, timeout)
+        until = self.clock.monotonic() + max(0.0, timeout) if deadline is None else deadline
         for thread in self._threads:
             self.clock.join(thread, until - self.clock.monotonic())
         self._threads = [t for t in self._threads if t.is_alive()]

@@ -601,17 +601,34 @@ def test_a_switch_to_something_not_a_path_is_refused_before_the_lifecycle_moves(
 
 class _WaitsRecorded(Clock):
     """The system clock, recording the deadline each wait of the thread ``on`` was given
-    (sleeps, condition and event waits, thread joins): what a bounded call promised."""
+    (sleeps, condition and event waits, thread joins): what a bounded call promised.
 
-    __slots__ = ("on", "deadlines")
+    A deadline is the thread's last reading of this clock plus the timeout: a timeout the
+    code computed as ``deadline - monotonic()`` then records that very deadline, however long
+    the host kept the thread from the wait meanwhile (it recorded ``monotonic() + timeout``
+    at the wait: once a preemption between the two on a loaded host put a deadline 34 ms
+    past the grace). ``first`` is the thread's first reading (a call's own start)."""
+
+    __slots__ = ("on", "deadlines", "first", "_read")
 
     def __init__(self) -> None:
         self.on: threading.Thread | None = None
         self.deadlines: list[float] = []
+        self.first: float | None = None
+        self._read: float | None = None
+
+    def monotonic(self) -> float:
+        now = super().monotonic()
+        if threading.current_thread() is self.on:
+            if self.first is None:
+                self.first = now
+            self._read = now
+        return now
 
     def _given(self, timeout: float | None) -> None:
         if threading.current_thread() is self.on and timeout is not None:
-            self.deadlines.append(self.monotonic() + timeout)
+            read = self._read if self._read is not None else self.monotonic()
+            self.deadlines.append(read + timeout)
 
     def sleep(self, seconds):
         self._given(seconds)
@@ -656,11 +673,14 @@ def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(
         until(lambda: ex.state == "Warming" and ex.snapshot()["inflight"] == 1, 20,
               "the golden job on the device")
         clock.on = threading.current_thread()
-        start = clock.monotonic()
         status = ex.shutdown(2.0)
         clock.on = None
         assert not status.ok and ex.state == "Failed", (status, ex.state)
         assert clock.deadlines, "the shutdown made no wait through its clock"
+        # the shutdown's own start: its first reading of the clock (the test's reading
+        # before the call lay before it by however long the host delayed the call)
+        start = clock.first
+        assert start is not None
         late = [round(d - start, 3) for d in clock.deadlines if d > start + 2.0 + 0.01]
         assert not late, (f"{len(late)} waits given deadlines past the grace (s after the "
                           f"call; the first, the last): {late[:3]}, {late[-1:]}")
