@@ -49,3 +49,28 @@ def test_chaos_soak_under_faults_reloads_and_hangs(tmp_path):
 def test_an_unknown_action_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="unknown chaos action.*'no_such_fault'"):
         chaos.run_chaos(tmp_path, 1, 1, 1, ("no_such_fault",))
+
+
+def _late_record(client_s: float, timeout: float = 0.085) -> chaos.Record:
+    rec = chaos.Record("short", [1, 2, 3], 2, timeout)
+    rec.start, rec.end, rec.code = 100.0, 100.0 + client_s, 200
+    rec.body = {"choices": [{"token_ids": list(chaos.oracle_tokens((1, 2, 3), 2)),
+                              "finish_reason": "length"}]}
+    return rec
+
+
+def test_a_late_answer_is_judged_by_the_servers_clock_when_the_server_recorded_it():
+    """chaos_a once failed on a loaded host: "answered 1.585s after its 0.085s deadline
+    (server-side 0.15773s; slack 0.5s)", the server within deadline + slack and the client,
+    in the same process, scheduled late. The server's record judges (no clock read here:
+    the record's times are given)."""
+    problems: list[str] = []
+    chaos.check_record(_late_record(1.67), 0.5, 0.158, problems, [])
+    assert problems == []
+    chaos.check_record(_late_record(0.2), 0.5, 0.6, problems, [])  # the server itself late
+    assert len(problems) == 1 and "server-side 0.6s" in problems[0], problems
+    # no server record: the client's clock, with the harness's allowance
+    late = 0.085 + 0.5 + chaos.HARNESS_ALLOWANCE_S + 0.1
+    chaos.check_record(_late_record(late), 0.5, None,
+                 problems, [])
+    assert len(problems) == 2, problems

@@ -10,8 +10,9 @@ generation cannot map its buffers), then drains. It returns the run's figures an
 
 * a token that differs from the numpy oracle's greedy continuation (``wrong``);
 * a response later than the request deadline plus ``ServerConfig.deadline_slack_s`` as the
-  server measures it (its dump records; clients in the same process get
-  ``HARNESS_ALLOWANCE_S`` more for their own GIL share);
+  server measures it (its dump records); only a request the server kept no record of is
+  judged by its client's clock, with ``HARNESS_ALLOWANCE_S`` more for the client's own GIL
+  share;
 * an undocumented HTTP status, an error without a JSON body, a stream that ended without
   ``[DONE]`` or an SSE error event;
 * free + in-use + withheld sequence ids != capacity at any step, any id not free or any slot
@@ -49,7 +50,10 @@ from calexec.machines.faults import RecoveryPolicy
 RECOVERY_BOUND_S = 20.0  # a hung job: execution deadline + grace + drain + reset + golden
 #: the clients run in the server's process: their own threads compete with it for the GIL and
 #: the 2 cores, so what a client measures may exceed what the server took by this much. The
-#: server-side latency (dump records: admission to answer) is held to deadline + slack alone.
+#: server-side latency (dump records: admission to answer) is held to deadline + slack alone,
+#: and judges every request that has one: the client's clock then measures the host's
+#: scheduling of the harness (a loaded host put a client's answer 1.6 s past a 0.085 s
+#: deadline the server met by 0.07 s), and judges only a request the server kept no record of.
 HARNESS_ALLOWANCE_S = 1.0
 TOKEN = "chaos-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -180,7 +184,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, out: list) -
                 stop.wait(rng.uniform(0.05, 0.25))  # the pressure on, but never a spin)
 
 
-def _check(rec: Record, slack: float, server_s: float | None, problems: list[str],
+def check_record(rec: Record, slack: float, server_s: float | None, problems: list[str],
            wrong: list[str]) -> None:
     """Adds what is wrong with one record to ``problems`` / ``wrong`` (wrong tokens).
     ``server_s``: the server-side latency of the request (its dump record), if admitted."""
@@ -189,8 +193,8 @@ def _check(rec: Record, slack: float, server_s: float | None, problems: list[str
         problems.append(f"{where}: transport error {rec.error}")
         return
     if rec.kind != "disconnect" and (
-            rec.end - rec.start > rec.timeout + slack + HARNESS_ALLOWANCE_S
-            or server_s is not None and server_s > rec.timeout + slack):
+            server_s > rec.timeout + slack if server_s is not None
+            else rec.end - rec.start > rec.timeout + slack + HARNESS_ALLOWANCE_S):
         problems.append(f"{where}: answered {rec.end - rec.start - rec.timeout:.3f}s after "
                         f"its {rec.timeout:.3f}s deadline (server-side {server_s}s; slack "
                         f"{slack}s)")
@@ -371,7 +375,7 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
     for rec in records:
         server_s = max(server_latency.get(tuple(rec.prompt), [None]) or [None],
                        key=lambda v: -1 if v is None else v)
-        _check(rec, config.deadline_slack_s, server_s, problems, wrong)
+        check_record(rec, config.deadline_slack_s, server_s, problems, wrong)
     late = [rec.end - rec.start - rec.timeout for rec in records if rec.kind != "disconnect"
             and rec.error is None]
     server_late = [max(server_latency.get(tuple(rec.prompt), [0.0])) - rec.timeout
