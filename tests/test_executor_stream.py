@@ -685,13 +685,20 @@ def test_submit_nowait_takes_the_step_fired_ahead_and_refuses_another_token(calb
     """greedy_ahead: once the completion thread fired the argmax's step, ``submit_nowait``
     takes it; with another token it declines (``submit`` closes the stream for the misuse)."""
     steps = 6
-    # a 20 ms device: the submitter arms step 2 while step 1 runs even on a loaded host (on
-    # a 2 ms one a full test suite beside it once delayed the arming past step 1's end, so
-    # nothing was fired ahead and the wait below timed out)
-    with running_job_path(calbin, device_config="decode_us=20000") as ex:
+    with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, steps, greedy_ahead=True, max_steps=steps)
         out = [token]
-        handle = stream.submit(token)
+        # step 1 held on the device (stepped mode) until the submitter armed step 2: only
+        # then can it be fired ahead. A 20 ms device did not make that so on a loaded host
+        # (step 1 ended before step 2 was armed: nothing was fired ahead, the wait for it
+        # below timed out)
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0
+        try:
+            handle = stream.submit(token)
+            until(lambda: stream.armed is not None, what="step 2 armed while step 1 is held")
+        finally:
+            assert emu.set_stepped(False) == 0
         result = stream.wait()
         assert isinstance(result, InferenceResult), result
         out.append(result.argmax)
