@@ -396,25 +396,30 @@ def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(c
                                                                                overlap):
     """Defect 2 in Phase B (two in flight): the early request used to adopt the guess and run
     on the device beside its predecessor of the same sequence (a CCU exception with
-    ``overlap=full``). It is refused busy, and nothing faults."""
+    ``overlap=full``). It is refused busy, and nothing faults. N is held on the device
+    (stepped mode) until the early request was answered: a loaded host once finished N
+    before the guess was armed at every step, and the early request then met no guess."""
     with running_job_path(calbin, f"overlap={overlap};decode_us=3000",
                           inflight_capacity=2) as ex:
+        emu = ex.device.emu
         out = decode_run(ex, 1, 3)
         past = len(PROMPT) + 3
-        early_with_guess = 0
         for _step in range(6):
-            handle = ex.enqueue(decode(1, out[-1], past))
-            until(lambda: (ex.dispatch.guess(1) is not None and ex.dispatch.guess(1).job is not None) or handle.done,
-                  what="N on the device and the guess for N+1 armed")
-            if not handle.done:  # (a slow host may finish N before the guess is armed)
-                early_with_guess += 1
+            assert emu.set_stepped(True) == 0
+            try:
+                handle = ex.enqueue(decode(1, out[-1], past))
+                until(lambda: ex.dispatch.guess(1) is not None
+                      and ex.dispatch.guess(1).job is not None,
+                      what="N on the device and the guess for N+1 armed")
+                assert not handle.done, handle  # N is held: the early request meets it
                 early = ex.enqueue(decode(1, 0, past + 1)).wait_until(deadline())
                 assert isinstance(early, Status) and early.code == "kv.sequence_busy", early
+            finally:
+                assert emu.set_stepped(False) == 0
             result = _ok(handle.wait_until(deadline()))
             out.append(result.argmax)
             past = result.kv_len
         assert out == expected_greedy(PROMPT, 3 + 6)
-        assert early_with_guess >= 1
         assert ex.device.emu.counters()["ccu_exceptions"] == 0
         assert ex.counters["quarantined"] == 0
 
