@@ -21,6 +21,7 @@ from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
 from calexec.drivers.serving.admission import AdmissionQueue, Waiter  # noqa: E402
 from calexec.drivers.serving.server import SequencePool, ServerConfig, create_app  # noqa: E402
+from calexec.machines.executor import DeviceExecutor  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
     metric_value,
@@ -120,22 +121,37 @@ def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(
 
 
 # ---- waiting for a sequence id -------------------------------------------------------------------
+class _PrefillsRecorded(DeviceExecutor):
+    """The executor, keeping the prompt of each prefill it is given (in the order given)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts: list[list[int]] = []
+
+    def enqueue(self, request, logits_out=None, on_created=None):
+        if request.past_len == 0:
+            self.prompts.append([int(t) for t in request.tokens])
+        return super().enqueue(request, logits_out, on_created)
+
+
 def test_more_requests_than_sequence_ids_all_complete_in_arrival_order(tmp_path):
     """max_sequences=1, worker_threads=1: five requests. Old code: four immediate 429s. Now
     they wait (FIFO) and complete one after the other, never taking a running request's
-    worker thread (the one thread serves the running request's decodes)."""
-    executor = started_executor(tmp_path)
+    worker thread (the one thread serves the running request's decodes). The order is the
+    executor's (the one sequence id: each prefill comes after the request before it
+    ended): the order the clients' threads woke up in is the host's (a loaded host once woke
+    request 1's thread before request 0's)."""
+    executor = started_executor(tmp_path, executor_class=_PrefillsRecorded)
+    assert isinstance(executor, _PrefillsRecorded)
     app = create_app(executor, ServerConfig(max_sequences=1, worker_threads=1))
     service = app.state.service
     held = service.sequences.acquire()
-    finished: list[int] = []
     bodies: dict[int, httpx.Response] = {}
     prompts = {i: [10 + i, 20 + i] for i in range(5)}
 
     def post(i: int) -> None:
         bodies[i] = httpx.post(f"{server.url}/v1/completions", timeout=30,
                                json={"prompt": prompts[i], "max_tokens": 3})
-        finished.append(i)
     try:
         with LiveServer(app) as server:
             threads = []
@@ -147,7 +163,7 @@ def test_more_requests_than_sequence_ids_all_complete_in_arrival_order(tmp_path)
             service.sequences.release(held)
             for thread in threads:
                 thread.join(30)
-            assert finished == [0, 1, 2, 3, 4]
+            assert executor.prompts == [prompts[i] for i in range(5)], executor.prompts
             for i in range(5):
                 assert bodies[i].status_code == 200, bodies[i].text
                 assert bodies[i].json()["choices"][0]["token_ids"] == oracle_tokens(prompts[i], 3)
