@@ -397,15 +397,24 @@ def test_the_oracle_check_replays_a_sequence_in_commit_order_not_job_id_order():
     takes no virtual time, so every job completed at the same instant and the check took
     job 6 before job 7. It now breaks ties by the order the jobs were resolved (one thread
     completes them, committing first), recorded by a done callback. The schedule is the
-    failure's (tests/data/explore_seed57378.json), replayed as far as it fits."""
+    failure's (tests/data/explore_seed57378.json), run under the failure's own PCT
+    priorities (``pct``: thread priorities, not choice indices, so a change that adds or
+    removes a lock acquisition elsewhere does not move the window; the recorded choice tape
+    replayed leniently stopped reaching it when stop 68's KV admission took its lock once
+    where it took it twice)."""
     import json
     from pathlib import Path
 
     from calexec.machines.job import job_of
 
     info = json.loads((Path(__file__).parent / "data" / "explore_seed57378.json").read_text())
-    x = X.replay(CALBINS, [tuple(a) for a in info["script"]], info["choices"], lenient=True,
-                 **info["options"])
+    x = X.Explorer(CALBINS, X.PCTChooser(*info["pct"]), **info["options"])
+    try:
+        x.start()
+        for action in info["script"]:
+            X.perform(x, tuple(action))
+    finally:
+        x.close()
     jobs = {job_of(h).job_id: job_of(h) for h in x.handles}
     rewind, later = jobs[7], jobs[6]
     # the window: the rewind (the higher id) committed first, at the same virtual instant
