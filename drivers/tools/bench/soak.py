@@ -692,6 +692,12 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                             raise SoakError(f"fault-free reference {k} failed: {got.error} "
                                             f"{got.message}")
                         traffic.references[k] = got.tokens
+                # (an answer can reach its client before the completion thread has given
+                # its job's buffer slot back: the pools are read once the server is idle, as
+                # at the end)
+                if not wait_until(lambda: _idle(executor, service), IDLE_WAIT_S):
+                    raise SoakError(f"the server did not go idle in {IDLE_WAIT_S}s after the "
+                                    f"fault-free references: {_pools(executor, service)}")
                 start_pools = _pools(executor, service)
                 objects_start = count_objects()
                 monitor.marks.append(decode_counters())
