@@ -342,6 +342,25 @@ def test_a_done_callback_s_release_that_would_wait_is_refused_one_that_does_not_
                           fault_sink=RecordingFaultSink()) as ex:
         first = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
         assert not isinstance(first, Status), first
+        # the completion thread is held in another job's done callback while the failing job
+        # is enqueued and given its callback: a loaded host once let the failing job end
+        # between enqueue() and add_done_callback(), which then ran the callback on the
+        # caller's thread (the blocker is held on the stepped device until its callback is
+        # in place, so that callback runs on calexec-completion)
+        emu = ex.device.emu
+        entered, gate = threading.Event(), threading.Event()
+
+        def hold(handle) -> None:  # calexec-completion, until the failing job has its callback
+            entered.set()
+            gate.wait(30.0)
+
+        assert emu.set_stepped(True) == 0
+        try:
+            blocker = ex.enqueue(prefill(2, [4, 5]))
+            blocker.add_done_callback(hold)
+        finally:
+            assert emu.set_stepped(False) == 0
+        assert entered.wait(30.0), "the blocker's callback did not run"
         ex.device.emu.set_latency(0, 0, 1_500_000, 0)  # the next decode runs 1.5 s
         seen: dict[str, object] = {}
 
@@ -357,9 +376,11 @@ def test_a_done_callback_s_release_that_would_wait_is_refused_one_that_does_not_
             arm(ex, "WAIT_RC")  # Wait says TIMEOUT while the job still runs on the device
             failed = ex.enqueue(decode(1, first.argmax, first.kv_len))
             failed.add_done_callback(on_done)
+            gate.set()
             assert isinstance(failed.wait_until(deadline()), Status)
             until(lambda: "look" in seen, 30, "the callback")
         finally:
+            gate.set()
             ex.device.emu.set_latency(0, 0, 0, 0)
         assert seen["thread"] == "calexec-completion", seen
         refused = seen["waiting"]
