@@ -42,6 +42,26 @@ static reg_slot g_slots[REG_SLOTS];
 static uint32_t g_free[REG_SLOTS];
 static uint32_t g_nfree, g_used;
 
+/* fork(): a child forked while another thread of the parent held the registry (a Wait, an
+ * infer, a buffer's map: every call resolves its handles under g_reg_mu) found it locked for
+ * good, its holder not being in the child: the child's first device open hung (a pre-fork
+ * server, a multiprocessing fork, an executor built in a forked child). The fork takes the
+ * registry first; parent and child let it go after it. */
+static void reg_prefork(void)
+{
+    pthread_mutex_lock(&g_reg_mu);
+}
+
+static void reg_postfork(void)
+{
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+__attribute__((constructor)) static void reg_atfork(void)
+{
+    pthread_atfork(reg_prefork, reg_postfork, reg_postfork);
+}
+
 /* Register obj (g_reg_mu held); its handle goes to obj->handle. 0 when the table is full. */
 static int reg_add(emu_obj *obj)
 {
