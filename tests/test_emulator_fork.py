@@ -65,8 +65,8 @@ def test_a_child_forked_during_another_threads_calrt_call_opens_its_own_device()
                     if rc_child == 0 and own is not None:
                         own.close()
                         code = 0
-                finally:
-                    os._exit(code)
+                finally:  # never back into pytest: no teardown, no exit handler runs here
+                    os.execv(sys.executable, [sys.executable, "-c", f"raise SystemExit({code})"])
             if not _child_ends(pid):
                 hung += 1
                 break  # (one is the defect; the rest would each wait the bound)
