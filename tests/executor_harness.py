@@ -209,9 +209,10 @@ def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
         # the completion queue empties only once the completion thread gave the lease back
         # (the permit goes back before the caller is woken, the lease after it)
         # and the guesses of implicit pre-arms (machines/autoarm.py) expired: they hold a slot
-        # and a token of budget until then
+        # and a token of budget until then; a guess leaves the table before whoever holds its
+        # job releases it, so its token is waited for too
         if (snap["queued"] == 0 and snap["inflight"] == 0 and snap["completing"] == 0
-                and not executor.dispatch.guesses()):
+                and snap["pending_tokens"] == 0 and not executor.dispatch.guesses()):
             return snap
         time.sleep(0.002)
     return executor.snapshot()
