@@ -253,7 +253,7 @@ sys.meta_path.insert(0, _Block())
 SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.serve", "calexec.drivers.serving.metrics",
                "calexec.drivers.tools.bench.server_overhead", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.fleet.ingress",
-               "calexec.drivers.tools.chaos",
+               "calexec.drivers.tools.chaos", "calexec.drivers.tools.chaos_clients",
                "calexec.drivers.serving.openai_api", "calexec.drivers.serving.responses_api",
                "calexec.drivers.serving.resume", "calexec.drivers.serving.service",
                "calexec.drivers.serving.admin", "calexec.drivers.serving.debug",
