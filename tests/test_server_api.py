@@ -13,8 +13,14 @@ from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
 from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (SVG_ACTIVE, metric_value, oracle_tokens, server_idle,
-                                 started_executor, wait_for)
+from test_server_support import (
+    SVG_ACTIVE,
+    metric_value,
+    oracle_tokens,
+    server_idle,
+    started_executor,
+    wait_for,
+)
 
 TOKEN = "test-admin-token"
 

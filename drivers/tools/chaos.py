@@ -29,6 +29,8 @@ import functools
 import json
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -44,13 +46,15 @@ from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin, oracle
-from calexec.drivers.tools.chaos_clients import Record, _client
+from calexec.drivers.tools import chaos_clients
+from calexec.drivers.tools.chaos_clients import Record
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 
 RECOVERY_BOUND_S = 20.0  # a hung job: execution deadline + grace + drain + reset + golden
-#: the clients run in the server's process: their own threads compete with it for the GIL and
-#: the 2 cores, so what a client measures may exceed what the server took by this much. The
+#: what a client measures includes its own process's scheduling on a loaded host (the clients
+#: run in a process of their own, ``_Clients``, since stop 69; before, in the server's, their
+#: threads took the server's GIL too): it may exceed what the server took by this much. The
 #: server-side latency (dump records: admission to answer) is held to deadline + slack alone,
 #: and judges every request that has one: the client's clock then measures the host's
 #: scheduling of the harness (a loaded host put a client's answer 1.6 s past a 0.085 s
@@ -134,6 +138,57 @@ def chaos_executor(workdir: Path, inflight_capacity: int = 1) -> DeviceExecutor:
     return executor
 
 
+class _Clients:
+    """The soak's clients in a process of their own (``chaos_clients``; loopback only): their
+    16 threads in the server's process competed with it for the GIL, and a loaded host's
+    scheduling of them put the server's own answer (its dump record) past deadline + slack.
+    ``finish()`` ends them: the records, the clients still running, what went wrong with the
+    process itself."""
+
+    def __init__(self, url: str, clients: int, seed: int, bound_s: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "calexec.drivers.tools.chaos_clients", url, str(clients),
+             str(seed), str(bound_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.bound_s = bound_s
+
+    def __enter__(self) -> _Clients:
+        ready: list[str] = []
+        stdout = self.proc.stdout
+        if stdout is None:  # (PIPE gives one)
+            raise RuntimeError("the chaos clients' process has no stdout")
+        reader = threading.Thread(target=lambda: ready.append(stdout.readline()),
+                                  name="chaos-clients-start", daemon=True)
+        reader.start()
+        reader.join(30)
+        if ready != ["started\n"]:
+            self.proc.kill()
+            err = self.proc.communicate(timeout=30)[1]
+            raise RuntimeError(f"the chaos clients did not start ({ready}): {err[-2000:]}")
+        return self
+
+    def finish(self) -> tuple[list[Record], int, list[str]]:
+        try:
+            out, err = self.proc.communicate(input="", timeout=self.bound_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate(timeout=30)
+        lines = out.splitlines()
+        trouble = [] if self.proc.returncode == 0 else [
+            f"the chaos clients' process ended with {self.proc.returncode}: {err[-2000:]}"]
+        try:
+            alive = json.loads(lines[-1])["alive"] if lines else 0
+            records = [chaos_clients.record_of(json.loads(line)) for line in lines[:-1]]
+        except (ValueError, KeyError, TypeError) as exc:
+            return [], 0, [*trouble, f"the chaos clients' output unreadable: {exc!r}"]
+        return records, alive, trouble
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:  # (an error before finish): nothing is left running
+            self.proc.kill()
+            self.proc.communicate(timeout=30)
+
+
 def check_record(rec: Record, slack: float, server_s: float | None, problems: list[str],
            wrong: list[str]) -> None:
     """Adds what is wrong with one record to ``problems`` / ``wrong`` (wrong tokens).
@@ -186,6 +241,19 @@ def check_record(rec: Record, slack: float, server_s: float | None, problems: li
         last = json.loads(rec.events[-2][len("data: "):])["choices"][0]["finish_reason"]
         if last != "stop":
             wrong.append(f"{where}: {len(tokens)} tokens, finish {last}")
+
+
+def _idle(executor: DeviceExecutor, service: Any) -> bool:
+    """Every request ended and gave back what it held: what the soak's end checks, all of it
+    (the job's count left the dispatch before the completion thread gave its slot back: a
+    snapshot between the two read a slot in flight with no job, stop 69)."""
+    if (service.active or service.releases_pending or service.sequences.in_use
+            or executor.health()):
+        return False
+    snap = executor.snapshot()
+    slots = snap["slots"] or {}
+    return not (snap["inflight"] or snap["queued"] or snap["completing"]
+                or slots.get("Leased", 0) or slots.get("InFlight", 0))
 
 
 def _diagnose(executor, service) -> dict:
@@ -241,11 +309,8 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
     problems: list[str] = []
     stop = threading.Event()
     try:
-        with LiveServer(app) as server:
-            threads = [threading.Thread(target=_client, args=(server.url, i, seed, stop, records),
-                                        name=f"chaos-client-{i}") for i in range(clients)]
-            for thread in threads:
-                thread.start()
+        with LiveServer(app) as server, _Clients(server.url, clients, seed,
+                                                  seconds + RECOVERY_BOUND_S + 60) as load:
             with httpx.Client(base_url=server.url, timeout=30) as admin:
                 end = time.monotonic() + seconds
                 while time.monotonic() < end:
@@ -287,17 +352,15 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
                     if not service.sequences.consistent():
                         problems.append(f"{action}: sequence ids {service.sequences.counts()}")
                 stop.set()
-                for thread in threads:
-                    thread.join(60)
-                if any(t.is_alive() for t in threads):
-                    problems.append("a client never returned")
+                records, alive, trouble = load.finish()
+                if alive:
+                    problems.append(f"{alive} client(s) never returned")
+                problems.extend(trouble)
                 emu.clear_all_faults()
                 # idle: every request ended, every id free, no slot leased or in flight
                 try:
                     # (a fault armed late may still be recovering: idle includes Ready again)
-                    _wait_for(lambda: service.active == 0 and service.releases_pending == 0
-                              and service.sequences.in_use == 0 and not executor.health()
-                              and executor.snapshot()["inflight"] == 0, timeout=30,
+                    _wait_for(lambda: _idle(executor, service), timeout=30,
                               what="the server to go idle")
                 except TimeoutError as err:
                     problems.append(f"{err}: {_diagnose(executor, service)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
 from typing import Any
@@ -62,3 +63,55 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, out: list) -
             out.append(rec)
             if rec.code in (429, 503):  # Retry-After: back off a little (shorter, to keep
                 stop.wait(rng.uniform(0.05, 0.25))  # the pressure on, but never a spin)
+
+
+def record_of(fields: dict[str, Any]) -> Record:
+    """The :class:`Record` a client process printed (``as_fields``)."""
+    rec = Record(fields["kind"], fields["prompt"], fields["max_tokens"], fields["timeout"])
+    for name in ("start", "end", "code", "body", "events", "error"):
+        setattr(rec, name, fields[name])
+    return rec
+
+
+def as_fields(rec: Record) -> dict[str, Any]:
+    return {name: getattr(rec, name) for name in Record.__slots__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m calexec.drivers.tools.chaos_clients URL CLIENTS SEED MAX_SECONDS``: the
+    soak's clients in a process of their own (``run_chaos`` starts it), so that their work does
+    not share the server's GIL: a loaded host's scheduling of 16 client threads in the server's
+    process put the server's own answer (its dump record) past a deadline it kept. Prints
+    ``started`` once the clients run, sends until its standard input ends (the soak's end) or
+    ``MAX_SECONDS`` passed, then one JSON line per request (``as_fields``, in the order they
+    ended) and a last line ``{"alive": N}``: clients still running after their bound."""
+    url, clients, seed, max_seconds = (argv if argv is not None else sys.argv[1:])
+    if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
+        print(f"chaos_clients: url={url!r}: loopback only", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    out: list[Record] = []
+    threads = [threading.Thread(target=_client, args=(url, i, int(seed), stop, out),
+                                name=f"chaos-client-{i}", daemon=True)
+               for i in range(int(clients))]
+    for thread in threads:
+        thread.start()
+    print("started", flush=True)
+
+    def until_eof() -> None:
+        sys.stdin.read()
+        stop.set()
+    threading.Thread(target=until_eof, name="chaos-clients-stdin", daemon=True).start()
+    stop.wait(float(max_seconds))
+    stop.set()
+    end = time.monotonic() + 60  # a request's own timeout is 30 s
+    for thread in threads:
+        thread.join(max(0.0, end - time.monotonic()))
+    for rec in list(out):
+        print(json.dumps(as_fields(rec)))
+    print(json.dumps({"alive": sum(t.is_alive() for t in threads)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
