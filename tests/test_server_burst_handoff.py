@@ -1,0 +1,231 @@
+"""The hand-offs of a decode burst (issue 28): the loop hands a greedy request's jobs to a
+thread of the service's pool (``ServerConfig.decode_bursts``, ``stream_bursts``), which
+hands the tokens back. A cut of those hand-offs is a claim of equality, so this test holds the
+bursts to the plain path (no bursts, no inline waits), on the code before a cut as after it.
+
+A seeded history of non-streamed requests goes, one at a time, to two servers on the same
+zero-latency calbin: the defaults (bursts) and the plain path, both without pre-arming (the
+policy reads the device's measured speed, which is the host's timing) nor implicit pre-arms,
+so both run the same jobs. Requests: greedy of 1-10 tokens (the last job the burst hands
+over, the first when there is one token), a stop token id at a drawn position (the last
+one among them), seeded sampling (no burst: the plain path on both), a device fault armed
+on a drawn job of the request (the last one among them: CCU exception, NaN, Wait failure,
+submit busy or unavailable; each recovered and the request resumed), a request deadline that
+passes mid-generation, a client that leaves mid-generation. For every request whose outcome
+is not the host's timing: the same answer (HTTP status, token ids, finish reason, error
+code), the same chart path of every job the executor ran for it (kind, final state, status,
+each step's event, from and to), and after the history the same ``/metrics`` exposition
+(counters, and every histogram's count; a bucket's or sum's value is a time, and the burst
+counter exists on one side only). A deadline or a leaving client: the answer's kind and that
+both servers get back to idle, every sequence free, nothing armed or in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+
+import httpx
+import pytest
+
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.tools.chaos import LiveServer
+from calexec.machines.executor import RecoveryPolicy
+from test_server_support import oracle_tokens, started_executor, wait_for
+
+FAULTS = [("CCU_EXCEPTION", 0), ("OUTPUT_NAN", 0), ("WAIT_RC", 0), ("SUBMIT_RC", 17),
+          ("SUBMIT_RC", 18)]
+PATHS = {"bursts": {"prearm": False},
+         "plain": {"prearm": False, "inline_waits": False, "decode_bursts": False,
+                   "stream_bursts": False}}
+#: metric families that only one path has, or whose value is a time or the host's
+SKIP = ("calexec_decode_burst_jobs_total", "process_", "python_")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    made = {}
+    with contextlib.ExitStack() as stack:
+        for path, settings_ in PATHS.items():
+            executor = started_executor(
+                tmp_path_factory.mktemp(path), "decode_us=0", auto_prearm=False,
+                execution_timeout_s=0.3, timeout_grace_s=0.1, execution_timeout_per_token_s=0.05,
+                recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
+            stack.callback(executor.shutdown, 5.0)
+            app = create_app(executor, ServerConfig(**settings_))
+            live = stack.enter_context(LiveServer(app))
+            made[path] = [live.url, executor, app.state.service, 0]  # 0: the last job id seen
+        yield made
+
+
+def history(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    specs = []
+    for i in range(count):
+        max_tokens = rng.randint(1, 10)
+        spec = {"prompt": [rng.randint(1, 1000) for _ in range(rng.randint(1, 8))],
+                "max_tokens": max_tokens, "mode": "plain", "sampled": None, "stop_at": None,
+                "fault": None}
+        kind = i % 7 if i < 7 else rng.randrange(7)
+        if kind == 1:
+            spec["stop_at"] = rng.choice([max_tokens - 1, rng.randrange(max_tokens)])
+        elif kind == 2:
+            spec["sampled"] = rng.randrange(2**16)
+        elif kind in (3, 4):  # the last job of the request, or another
+            nth = max_tokens if kind == 3 else rng.randint(1, max_tokens)
+            spec["fault"] = (rng.randrange(len(FAULTS)), nth)
+        elif kind in (5, 6):  # streamed (its decode steps a burst's), a fault on its last job
+            spec["mode"] = "stream"
+            if kind == 6:
+                spec["fault"] = (rng.randrange(len(FAULTS)), max_tokens)
+        specs.append(spec)
+    for i in range(count // 4):  # how far these got is the host's timing
+        spec = {**specs[i], "mode": "deadline" if i % 2 else "gone", "fault": None,
+                "stop_at": None}
+        specs.append(spec)
+    return specs
+
+
+def body_of(spec: dict) -> dict:
+    body = {"prompt": spec["prompt"], "max_tokens": spec["max_tokens"]}
+    if spec["sampled"] is not None:
+        body.update(temperature=0.8, seed=spec["sampled"])
+    if spec["stop_at"] is not None:
+        greedy = oracle_tokens(spec["prompt"], spec["max_tokens"])
+        body["stop_token_ids"] = [greedy[min(spec["stop_at"], len(greedy) - 1)]]
+    if spec["mode"] == "deadline":  # passes mid-generation: 10,000 tokens do not fit
+        body.update(max_tokens=10_000, timeout=0.02)
+    return body
+
+
+def send(url: str, spec: dict) -> tuple:
+    body = body_of(spec)
+    if spec["mode"] == "gone":  # leaves mid-generation (how far it got is timing)
+        with contextlib.suppress(httpx.TimeoutException), \
+                httpx.Client(base_url=url, timeout=0.005) as client:
+            client.post("/v1/completions", json={**body, "max_tokens": 10_000})
+        return ("gone",)
+    if spec["mode"] == "stream":
+        return send_streamed(url, body)
+    with httpx.Client(base_url=url, timeout=30.0) as client:
+        r = client.post("/v1/completions", json=body)
+    if r.status_code != 200:
+        code = r.json()["error"].get("code")
+        if spec["mode"] == "deadline":  # where it was noticed is timing: that it was
+            return ("error", r.status_code, str(code).rpartition(".")[2])
+        return ("error", r.status_code, code)
+    choice = r.json()["choices"][0]
+    return ("ok", choice["token_ids"], choice["finish_reason"])
+
+
+def send_streamed(url: str, body: dict) -> tuple:
+    """A streamed request's events, each (text, token ids, finish reason) or its error code,
+    and whether ``[DONE]`` came."""
+    events: list = []
+    with httpx.Client(base_url=url, timeout=30.0) as client, \
+            client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            r.read()
+            return ("error", r.status_code, r.json()["error"].get("code"))
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                return ("stream", events, True)
+            if line.startswith("data: "):
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    events.append(("error", event["error"].get("code")))
+                    continue
+                choice = event["choices"][0]
+                events.append((choice.get("text"), choice.get("token_ids"),
+                               choice.get("finish_reason")))
+    return ("stream", events, False)
+
+
+def idle(executor, service) -> bool:
+    snap = executor.snapshot()
+    return (executor.state == "Ready" and service.active == 0 and snap["inflight"] == 0
+            and snap["queued"] == 0 and service.sequences.in_use == 0
+            and not executor.dispatch.armed_jobs())
+
+
+def trails(server: list) -> list:
+    """The chart paths of the jobs the executor resolved since the last call, in job order
+    (the jobs of one request, and of a recovery's golden run it set off)."""
+    executor, last = server[1], server[3]
+    found = []
+    for job_id in range(last + 1, last + 400):
+        trail = executor.job_trail(job_id)
+        if trail is not None:
+            server[3] = job_id
+            found.append((trail["kind"], trail["state"], trail["status"],
+                          [(s["event"], s["from"], s["to"]) for s in trail["trail"]]))
+    return found
+
+
+def run_one(server: list, spec: dict) -> tuple:
+    url, executor, service = server[:3]
+    emu = executor.device.emu
+    if spec["fault"] is not None:
+        index, nth = spec["fault"]
+        name, rc = FAULTS[index]
+        assert emu.set_fault(Fault[name], FaultMode.NTH, nth, 7, rc) == 0
+    try:
+        answer = send(url, spec)
+    finally:
+        emu.clear_all_faults()
+    wait_for(lambda: idle(executor, service), timeout=20.0, what="server idle after a request")
+    return answer, trails(server)
+
+
+def exposition(url: str) -> dict[str, float]:
+    """``/metrics``: every counter's and every histogram count's sample (a bucket's or a sum's
+    value is a time; families one path has alone, or the process's, left out)."""
+    with httpx.Client(base_url=url, timeout=30.0) as client:
+        text = client.get("/metrics").text
+    kept = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or line.startswith(SKIP):
+            continue
+        sample, _, value = line.rpartition(" ")
+        name = sample.split("{")[0]
+        if name.endswith(("_bucket", "_sum", "_created")) or (
+                "seconds" in name and not name.endswith("_count")):
+            continue
+        kept[sample] = float(value)
+    return kept
+
+
+def moved(now: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The samples that changed since ``before`` (new ones included), by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in now.items() if v != before.get(k, 0.0)}
+
+
+def timed(spec: dict) -> bool:
+    """How far the request got, or which of two threads noticed its fault first (a Wait
+    failure races the execution timeout's watchdog: ``wait_returned`` or
+    ``execution_timeout``, the same status), is the host's timing."""
+    return spec["mode"] not in ("plain", "stream") or (spec["fault"] is not None
+                                       and FAULTS[spec["fault"][0]][0] == "WAIT_RC")
+
+
+@pytest.mark.parametrize("seed", [69, 2869])
+def test_bursts_hand_off_answers_like_the_plain_path(servers, seed):
+    specs = history(seed, 24)
+    start = {path: exposition(servers[path][0]) for path in PATHS}
+    for spec in specs:
+        plain, plain_trails = run_one(servers["plain"], spec)
+        fast, fast_trails = run_one(servers["bursts"], spec)
+        assert fast == plain, (spec, fast, plain)
+        if not timed(spec):
+            assert fast_trails == plain_trails, (spec, fast_trails, plain_trails)
+        if plain[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
+                and spec["fault"] is None:
+            assert plain[1] == list(oracle_tokens(spec["prompt"], spec["max_tokens"]))
+        if spec["mode"] in ("plain", "stream"):  # (the timed ones come last: the counts so far agree)
+            fast_m, plain_m = (moved(exposition(servers[path][0]), start[path])
+                               for path in ("bursts", "plain"))
+            assert fast_m == plain_m, (spec, set(fast_m.items()) ^ set(plain_m.items()))
+            assert any(k.startswith("calexec_requests_total") for k in plain_m), plain_m
+
