@@ -1,7 +1,12 @@
 """The hand-offs of a decode burst (issue 28): the loop hands a greedy request's jobs to a
 thread of the service's pool (``ServerConfig.decode_bursts``, ``stream_bursts``), which
-hands the tokens back. A cut of those hand-offs is a claim of equality, so this test holds the
-bursts to the plain path (no bursts, no inline waits), on the code before a cut as after it.
+hands the tokens back. Since stop 69 the job whose token is a non-streamed run's last
+(``max_tokens``) is not waited for on that thread (``CompletionService._burst``'s
+``hand_last``): the thread that resolves it answers the loop, which takes its result as the
+burst's thread takes one (``_take_last``), where the job's thread woke the burst's thread and
+that one the loop; a streamed burst's last token is handed with its end, one wake where two
+were. A cut of those hand-offs is a claim of equality, so the first test holds the bursts to
+the plain path (no bursts, no inline waits); it passes on the code before the cut as after.
 
 A seeded history of non-streamed requests goes, one at a time, to two servers on the same
 zero-latency calbin: the defaults (bursts) and the plain path, both without pre-arming (the
@@ -22,9 +27,11 @@ both servers get back to idle, every sequence free, nothing armed or in flight.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
+import threading
 
 import httpx
 import pytest
@@ -33,6 +40,7 @@ from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.tools.chaos import LiveServer
 from calexec.machines.executor import RecoveryPolicy
+from calexec.machines.job import JobHandle
 from test_server_support import oracle_tokens, started_executor, wait_for
 
 FAULTS = [("CCU_EXCEPTION", 0), ("OUTPUT_NAN", 0), ("WAIT_RC", 0), ("SUBMIT_RC", 17),
@@ -229,3 +237,118 @@ def test_bursts_hand_off_answers_like_the_plain_path(servers, seed):
             assert fast_m == plain_m, (spec, set(fast_m.items()) ^ set(plain_m.items()))
             assert any(k.startswith("calexec_requests_total") for k in plain_m), plain_m
 
+
+def test_the_burst_thread_leaves_the_last_job_to_its_resolving_thread(servers, monkeypatch):
+    """The point of the hand-off, counted: an 8-token greedy completion is 8 jobs (a prefill,
+    7 decodes), all taken by one burst; its thread waits for the first 7 (``wait_until``) and
+    not for the last, whose resolving thread answers the loop (on the code before, the burst's
+    thread waited for all 8, then woke the loop itself). The plain path's handler waits for
+    none on a burst's thread."""
+    waits: dict[tuple[str, bool], int] = {}  # (thread, the job resolved already): calls
+    original = JobHandle.wait_until
+
+    def counted(self, deadline):
+        key = (threading.current_thread().name.rstrip("0123456789_"), self.done)
+        waits[key] = waits.get(key, 0) + 1
+        return original(self, deadline)
+    monkeypatch.setattr(JobHandle, "wait_until", counted)
+    spec = {"prompt": [5, 6, 7], "max_tokens": 8, "mode": "plain", "sampled": None,
+            "stop_at": None, "fault": None}
+    greedy = list(oracle_tokens([5, 6, 7], 8))
+    for _ in range(3):
+        assert run_one(servers["bursts"], spec)[0] == ("ok", greedy, "length")
+    on_burst = sum(n for (name, _), n in waits.items() if name == "calexec-burst")
+    assert on_burst == 3 * 7, waits
+    # the loop's look at the 8th job, resolved by then (no wait), and nobody else's
+    assert sum(n for (name, done), n in waits.items()
+               if name != "calexec-burst" and not done) == 0, waits
+
+
+class _CountingLoop(asyncio.SelectorEventLoop):
+    """An event loop that counts who wakes it from another thread (``call_soon_threadsafe``),
+    by the waking thread's name (its number left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wakes: dict[str, int] = {}
+
+    def call_soon_threadsafe(self, *args, **kwargs):
+        name = threading.current_thread().name.rstrip("0123456789_")
+        self.wakes[name] = self.wakes.get(name, 0) + 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+
+async def _asgi_completion(app, body: dict) -> tuple[int, bytes]:
+    """One POST /v1/completions to ``app`` in this process (no socket): (status, body)."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+    sent, done, status, chunks = [False], asyncio.Event(), [], []
+
+    async def receive():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                done.set()
+    await app(scope, receive, send)
+    done.set()
+    return status[0], b"".join(chunks)
+
+
+def test_the_loop_is_woken_once_a_burst_and_once_a_streamed_token(tmp_path):
+    """Who wakes the event loop, counted per request (the app in this process on a loop that
+    counts ``call_soon_threadsafe`` by thread, zero latency, no pre-arming): an 8-token greedy
+    completion's burst wakes it once, as before (then from the burst's thread once it had
+    waited for the last job, now from the thread that resolved that job); a
+    streamed one's burst (its 7 decode steps; the prefill takes the plain path) at most once
+    per token but its last, whose hand-off is the burst's end (before: once more for the
+    last token, then for the end: about 8 a stream, 153-159 for these 20 in three runs).
+    That the burst's thread no longer waits for the last job is counted exactly above."""
+    executor = started_executor(tmp_path, "decode_us=0", auto_prearm=False)
+    requests = 20
+    greedy = list(oracle_tokens([5, 6, 7], 8))
+    try:
+        app = create_app(executor, ServerConfig(prearm=False))
+        loop = _CountingLoop()
+
+        async def main() -> tuple[dict[str, int], dict[str, int]]:
+            async with app.router.lifespan_context(app):
+                body = {"prompt": [5, 6, 7], "max_tokens": 8}
+                await _asgi_completion(app, body)  # (threads started, first costs paid)
+                loop.wakes.clear()
+                for _ in range(requests):
+                    status, answer = await _asgi_completion(app, body)
+                    assert status == 200
+                    assert json.loads(answer)["choices"][0]["token_ids"] == greedy
+                plain = dict(loop.wakes)
+                loop.wakes.clear()
+                for _ in range(requests):
+                    status, answer = await _asgi_completion(app, {**body, "stream": True})
+                    assert status == 200 and answer.endswith(b"data: [DONE]\n\n")
+                return plain, dict(loop.wakes)
+        try:
+            plain, streamed = loop.run_until_complete(main())
+        finally:
+            loop.close()
+    finally:
+        executor.shutdown(5.0)
+    # once a request: from the thread that resolved the last job (or, when that job was
+    # resolved before the burst's thread registered for it, that thread: no wait either)
+    assert sum(plain.values()) == requests, plain
+    assert set(plain) <= {"calexec-completion", "calexec-burst"}, plain
+    # per stream: the prefill's wait (the resolving thread) and its enqueue's worker thread,
+    # then at most 6 hand-offs of a decode token and the burst's end
+    assert streamed.get("calexec-burst", 0) <= 7 * requests, streamed

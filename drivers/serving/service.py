@@ -745,6 +745,28 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+def _answer_threadsafe(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[Any],
+                       outcome: object, exc: BaseException | None) -> None:
+    """(Any thread.) ``answer`` gets ``outcome`` (or ``exc``) on its loop; nobody waits for it
+    once the loop is closed (as ``CompletionHandle.as_future``)."""
+    try:
+        loop.call_soon_threadsafe(_settle_answer, answer, outcome, exc)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
+def _settle_answer(answer: asyncio.Future[Any], outcome: object,
+                   exc: BaseException | None) -> None:
+    """(On its loop.) ``answer`` done, unless it already is (cancelled with its waiter)."""
+    if answer.done():
+        return
+    if exc is not None:
+        answer.set_exception(exc)
+    else:
+        answer.set_result(outcome)
+
+
 def _set_event() -> threading.Event:
     event = threading.Event()
     event.set()
@@ -1237,10 +1259,12 @@ class CompletionService:
         if run.sse:
             return await self._stream_burst(run)
         try:
-            steps, failure = await self._in_burst_thread(run)
+            steps, failure, last = await self._in_burst_thread(run, hand_last=True)
         except anyio.get_cancelled_exc_class():
             self._cut_burst(run)
             raise
+        if last is not None:  # its result is here: taken as the burst's thread takes one
+            steps, failure = self._take_last(run, last, steps)
         if not steps:
             return failure
         self.metrics.burst_jobs.inc(steps)
@@ -1248,18 +1272,64 @@ class CompletionService:
             run.burst_failure = failure
         return _BURST
 
-    def _in_burst_thread(self, run: RequestRun) -> Awaitable[tuple[int, tuple[Any, Any] | None]]:
-        """``_burst(run)`` in a thread of ``_burst_threads``, in a copy of the caller's context
-        (as anyio's ``to_thread`` ran it); cancelled, the await ends at once and the thread
-        goes on until it sees the cut (``_cut_burst``), as ``abandon_on_cancel`` did. Once the
-        pool is shut down (the app stopped), anyio's thread, as before stop 65."""
+    def _in_burst_thread(self, run: RequestRun, hand_last: bool = False
+                         ) -> Awaitable[tuple[int, tuple[Any, Any] | None, Any]]:
+        """``_burst(run, hand_last)`` in a thread of ``_burst_threads``, in a copy of the
+        caller's context (as anyio's ``to_thread`` ran it): (steps, failure, the last job's
+        handle or None). The thread answers the loop through ``call_soon_threadsafe`` when it
+        returns, or, when it handed the run's last job over (``hand_last``), the thread that
+        resolves that job does, from its done callback (``_burst_answering``): the
+        loop wakes once for the burst, not once for the job's thread and once more for the
+        burst's (issue 28, stop 69). Cancelled, the await ends at once and the thread goes on
+        until it sees the cut (``_cut_burst``), as ``abandon_on_cancel`` did. Once the pool
+        is shut down (the app stopped), anyio's thread, as before stop 65."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[tuple[int, tuple[Any, Any] | None, Any]] = loop.create_future()
         context = contextvars.copy_context()
         try:
-            return asyncio.get_running_loop().run_in_executor(
-                self._burst_threads, context.run, self._burst, run)
+            self._burst_threads.submit(context.run, self._burst_answering, run, hand_last,
+                                       loop, answer)
         except RuntimeError:  # (the pool is shut down: it takes no new work)
             return to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
                                       limiter=self._stream_limiter)
+        return answer
+
+    def _burst_answering(self, run: RequestRun, hand_last: bool,
+                         loop: asyncio.AbstractEventLoop,
+                         answer: asyncio.Future[tuple[int, tuple[Any, Any] | None, Any]]
+                         ) -> None:
+        """(A burst's thread.) ``_burst``, its outcome (or what it raised) given to the loop's
+        ``answer``; a last job it handed over answers when resolved (its done callback),
+        its done callback registered after the burst's enqueue fence was left, so the loop
+        never finds the fence still held by a burst that answered."""
+        try:
+            outcome = self._burst(run, hand_last)
+        except BaseException as exc:
+            _answer_threadsafe(loop, answer, None, exc)
+            raise
+        last = outcome[2]
+        if last is None:
+            _answer_threadsafe(loop, answer, outcome, None)
+        else:
+            last.add_done_callback(lambda _handle: _answer_threadsafe(loop, answer, outcome, None))
+
+    def _take_last(self, run: RequestRun, last: Any, steps: int
+                   ) -> tuple[int, tuple[Any, Any] | None]:
+        """(The loop.) The resolved last job of a non-streamed burst (``_burst``'s
+        ``hand_last``): committed to ``run`` under ``run.mu`` exactly as the burst's thread
+        commits a result (unless the burst was cut), or its failure returned as the burst's
+        failed step. Returns (steps, failure) as ``_burst`` would have."""
+        result = last.wait_until(run.deadline)  # resolved: answers at once
+        if isinstance(result, Status):
+            return steps, (result, last)
+        with run.mu:
+            if run.closed or run.burst_cut:
+                return steps, None
+            token = self._accept_plain(run, result)
+            steps += 1
+            if token is not None:
+                run.burst.append(token)
+        return steps, None
 
     def close_burst_threads(self) -> None:
         """The app stopped: the idle burst threads end (a burst still running ends first)."""
@@ -1315,7 +1385,7 @@ class CompletionService:
         failure of the thread itself ends the burst with none (the plain path takes the next
         job)."""
         try:
-            steps, failure = await self._in_burst_thread(run)
+            steps, failure, _ = await self._in_burst_thread(run)  # (never hands over)
             self.metrics.burst_jobs.inc(steps)
             return steps, failure
         except Exception:  # noqa: BLE001 - logged; the plain path takes over
@@ -1366,17 +1436,24 @@ class CompletionService:
         loop has not sent wait before them (``calexec_stream_bursts_waiting``)."""
         return self._bursts_waiting
 
-    def _burst(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
+    def _burst(self, run: RequestRun, hand_last: bool = False
+               ) -> tuple[int, tuple[Any, Any] | None, Any]:
         """Worker thread: run ``run``'s jobs one after the other as the plain path runs them
         (a prefill through ``enqueue``, a decode step through the decode stream, each token
         fed to the next) until the generation ends, a job fails, the generation moved or the
         loop cut the burst: (steps committed, the failed step's
-        (Status, handle) or None). Inside the enqueue fence with ``finish``; each result is
-        committed to ``run`` under ``run.mu`` unless the burst was cut."""
+        (Status, handle) or None, None). Inside the enqueue fence with ``finish``; each result
+        is committed to ``run`` under ``run.mu`` unless the burst was cut. ``hand_last`` (a
+        non-streamed run): the job whose token is the run's last (``max_tokens``), when
+        ``enqueue`` takes it, is not waited for here: its handle comes back third, for the
+        loop to take its result when resolved (``_in_burst_thread``, ``_take_last``). Its
+        deadline is the request's, which the executor answers itself (a deadline Status of
+        its own where this thread's ``wait_until`` could answer ``wait.deadline`` first), and
+        the loop stops waiting a tenth of the slack later (``_step``), as for any job."""
         steps = 0
         with run.mu:
             if run.closed or run.burst_cut:
-                return 0, None
+                return 0, None, None
             run.enqueue_idle.clear()
         try:
             while not (run.done or run.burst_cut) and self._generation_moved(run) is None:
@@ -1384,14 +1461,16 @@ class CompletionService:
                 if self._streamed(run, request):  # as _run_job:
                     handle = self._stream_submit(run, request)  # through the decode stream
                     if isinstance(handle, Status):
-                        return steps, (handle, None)
+                        return steps, (handle, None), None
                     result = run.decode.wait()
                 else:  # a prefill (the first, a resume's re-prefill), as _run_job's enqueue
                     handle = self.executor.enqueue(request, run.logits,
                                                    on_created=lambda h: self._created(run, h))
+                    if hand_last and len(run.tokens) + 1 >= run.max_tokens:
+                        return steps, None, handle  # its token ends the run: the loop's
                     result = handle.wait_until(run.deadline)
                 if isinstance(result, Status):
-                    return steps, (result, handle)
+                    return steps, (result, handle), None
                 with run.mu:
                     if run.closed or run.burst_cut:
                         break
@@ -1399,11 +1478,13 @@ class CompletionService:
                     steps += 1
                     if token is not None:
                         run.burst.append(token)
-                        if run.sse:
+                        # a streamed run's last token: the burst ends next, and its end
+                        # wakes the loop (``_stream_burst_thread``), once for both (stop 69)
+                        if run.sse and not run.done:
                             self._hand_token(run)
                             if not self._room(run):
                                 break
-            return steps, None
+            return steps, None, None
         finally:
             run.enqueue_idle.set()
 
