@@ -532,10 +532,36 @@ def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
         raise UnsupportedChart(f"{declaration.__name__}: {'; '.join(wrong)}")
     found = unsupported(declaration, runs)
     if found:
-        remedy = (f" ({INVOKE_REMEDY})" if any(entry.startswith("invoke ") for entry in found)
-                  else "")
+        remedies = [INVOKE_REMEDY] if any(entry.startswith("invoke ") for entry in found) else []
+        delayed = delayed_events(declaration)
+        if delayed:
+            remedies.append(delay_remedy(*delayed[0]))
+        remedy = f" ({'; '.join(remedies)})" if remedies else ""
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "
                                f"{'; '.join(found)}{remedy}")
+
+
+def delayed_events(declaration: type[StateChart[Any]]) -> list[tuple[str, float]]:
+    """``(event id, delay in ms)`` of each event a transition of ``declaration`` declares with
+    ``delay=`` (``fire = Event(armed.to(boom), delay=100)``), in declaration order."""
+    found: dict[str, float] = {}
+    for state in _all_states(declaration):
+        for transition in state.transitions:
+            for event in transition.events:
+                delay = getattr(event, "delay", 0)
+                if delay:
+                    found.setdefault(str(event), delay)
+    return list(found.items())
+
+
+def delay_remedy(event: str, delay_ms: float) -> str:
+    """What to do about a delayed event, said after its refusal: python-statemachine delivers
+    it from a timer of its own, ``delay`` ms after it is sent, which no tool follows."""
+    ms = f"{delay_ms:g}"
+    return (f"python-statemachine delivers a delayed event from a timer of its own, {ms} ms "
+            f"after it is sent, which no tool follows: drop delay={ms} from the Event and, "
+            f"where your code sends {event!r}, have a timer of yours call send({event!r}) "
+            f"{ms} ms later (a test then sends it at once)")
 
 
 #: what to do about a refused invoke, said after its refusal: python-statemachine runs an

@@ -237,7 +237,11 @@ class _EngineView(_RunView):
         if delay or trigger.send_id is not None:
             raise UnsupportedSend(f"{run.chart.name}: a callback's send("
                                   f"{str(trigger.event)!r}, {'delay' if delay else 'send_id'}"
-                                  f"=...) is not supported by a compiled run (no delayed sends)")
+                                  f"=...) is not supported by a compiled run (no delayed sends:"
+                                  f" python-statemachine delivers it from a timer of its own, "
+                                  f"which no run follows): send it without delay= and send_id= "
+                                  f"from a timer of yours, or test an instance of "
+                                  f"{run.chart.name}")
         if not run.running and not run.allow_event_without_transition:
             raise IllegalTransition(run.chart.name, run.state, str(trigger.event))
         (run._internal if internal and run._processing else run._external).append(trigger)
@@ -556,8 +560,11 @@ class StatechartRun:
         ``GuardRejected``; ``StateChart`` semantics ignore it and return None."""
         for unsupported in ("delay", "send_id", "internal"):
             if kwargs.get(unsupported) is not None:
+                remedy = ("raise it from a callback with self.raise_" if unsupported == "internal"
+                          else "send it without delay= and send_id=, from a timer of yours")
                 raise ValueError(f"{self.chart.name}: send({event!r}, {unsupported}=...) is not "
-                                 f"supported by a compiled run (no delayed or internal sends)")
+                                 f"supported by a compiled run (no delayed or internal sends): "
+                                 f"{remedy}")
         if not isinstance(event, str):  # (getattr below: "attribute name must be string")
             raise IllegalTransition(self.chart.name, self.state, event, self.chart.events)
         if not self.running:

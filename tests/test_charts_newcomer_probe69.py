@@ -1,0 +1,68 @@
+"""Stop 69's newcomer probe: a team from elsewhere points the toolkit at its own charts (a TCP
+connection as a flat ``StateMachine`` with a model and naming-convention callbacks; a vending
+machine ``StateChart`` three compound levels deep; a pipeline of python-statemachine 3
+features) and at what it gets wrong. A refusal names the chart, the construct and what to
+do; before, a delayed event and an abstract base chart were refused without the last."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from statemachine import Event, State, StateChart
+
+from calexec.cli import main as cli
+from calexec.machines.chart_support import UnsupportedChart
+from calexec.machines.compiled import compile_chart, compiled
+from calexec.machines.paths import as_data
+
+
+class Delayed(StateChart):
+    idle = State(initial=True)
+    armed = State()
+    boom = State(final=True)
+    arm = idle.to(armed)
+    fire = Event(armed.to(boom), delay=250)
+
+
+def test_a_delayed_event_is_refused_saying_what_to_do() -> None:
+    """``fire = Event(armed.to(boom), delay=250)`` was refused ``Delayed: the compiled form
+    does not support yet: delayed event 'fire' on transition armed --fire--> boom`` and no
+    more, where an invoke's refusal says what to do instead."""
+    for call in (lambda: compile_chart(Delayed), lambda: as_data(Delayed)):
+        with pytest.raises(UnsupportedChart) as refused:
+            call()
+        message = str(refused.value)
+        assert message.startswith("Delayed: the compiled form does not support yet: delayed "
+                                  "event 'fire' on transition armed --fire--> boom ("), message
+        assert "drop delay=250 from the Event" in message, message
+        assert "have a timer of yours call send('fire') 250 ms later" in message, message
+        assert "\n" not in message
+
+
+class Kicker(StateChart):
+    a = State(initial=True)
+    b = State(final=True)
+    kick = a.to(a, on="later")
+    finish = a.to(b)
+
+    def later(self) -> None:
+        self.send("finish", delay=50)
+
+
+def test_a_delayed_send_of_a_run_says_what_to_do() -> None:
+    """A callback's ``self.send("finish", delay=50)`` and a run's own ``send("go",
+    delay=50)`` were refused as ``not supported by a compiled run (no delayed sends)``
+    alone."""
+    run = compiled(Kicker).run(object())
+    with pytest.raises(UnsupportedChart) as refused:
+        run.send("kick")
+    assert "send it without delay= and send_id= from a timer of yours" in str(refused.value)
+    assert "or test an instance of Kicker" in str(refused.value)
+    with pytest.raises(ValueError, match=r"\(no delayed or internal sends\): send it without "
+                                         r"delay= and send_id=, from a timer of yours$"):
+        compiled(Kicker).run(object()).send("finish", delay=50)
+    with pytest.raises(ValueError, match=r": raise it from a callback with self.raise_$"):
+        compiled(Kicker).run(object()).send("finish", internal=True)
