@@ -32,6 +32,7 @@ import sys
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from statemachine import StateChart, StateMachine
@@ -94,6 +95,28 @@ def describe_transition(transition: DeclaredTransition) -> str:
     events = "|".join(str(e) for e in transition.events) or "(eventless)"
     targets = ",".join(getattr(t, "id", None) or repr(t) for t in transition.targets) or "(none)"
     return f"{transition.source.id} --{events}--> {targets}"
+
+
+def declaring_subclasses(declaration: type) -> list[type]:
+    """The subclasses of ``declaration`` (at any depth, defined so far) that declare states,
+    in the order they were made: what to name instead of ``declaration`` when it is an
+    abstract base of charts (a class of shared guards and actions declaring no state)."""
+    found: list[type] = []
+    pending: list[type] = list(declaration.__subclasses__())
+    while pending:
+        subclass = pending.pop(0)
+        if getattr(subclass, "states", None) and subclass not in found:
+            found.append(subclass)
+        pending.extend(subclass.__subclasses__())
+    return found
+
+
+def no_states(declaration: type, refer: Callable[[type], str]) -> str:
+    """``Base declares no states (a base class of charts? name a subclass that declares them:
+    Flow)``, each subclass that declares states as ``refer`` names it."""
+    subclasses = ", ".join(refer(subclass) for subclass in declaring_subclasses(declaration)[:5])
+    return (f"{declaration.__name__} declares no states (a base class of charts? name a "
+            f"subclass that declares them{': ' + subclasses if subclasses else ''})")
 
 
 def not_a_chart(value: object, argument: str = "chart", compiled_form: bool = True) -> TypeError:

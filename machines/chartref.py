@@ -19,7 +19,7 @@ from typing import Any
 
 from statemachine import StateChart
 
-from calexec.machines.chart_support import named_targets, same_ids
+from calexec.machines.chart_support import named_targets, no_states, same_ids
 from calexec.machines.mutants import env_text
 
 
@@ -173,9 +173,13 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass){_near_chart(owner, '') or _no_chart(module)}")
     if not found.states:
-        raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
-                            f"charts? name the subclass that declares them)")
+        raise ChartRefError(ref, no_states(found, _reference))
     return found
+
+
+def _reference(declaration: type) -> str:
+    """``module:Class``, the reference a command takes for ``declaration``."""
+    return f"{declaration.__module__}:{declaration.__qualname__}"
 
 
 #: control characters (C0, DEL, C1) shown escaped in a message: a module's own error text may

@@ -64,6 +64,7 @@ from calexec.machines.chart_support import (
     describe_transition,
     dotted_event,
     hierarchical,
+    no_states,
     not_a_chart,
     refuse_unsupported,
     semantics,
@@ -865,7 +866,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     if name is None:
         name = declaration.__name__
     if not declaration.states:  # an abstract base: python-statemachine checks it no further
-        raise ValueError(f"{name}: declaration {declaration.__name__} declares no states")
+        raise ValueError(f"{name}: declaration "
+                         f"{no_states(declaration, lambda subclass: subclass.__name__)}")
     refuse_unsupported(declaration, "the compiled form", runs=False)  # async: at run
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")

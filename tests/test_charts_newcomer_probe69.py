@@ -66,3 +66,48 @@ def test_a_delayed_send_of_a_run_says_what_to_do() -> None:
         compiled(Kicker).run(object()).send("finish", delay=50)
     with pytest.raises(ValueError, match=r": raise it from a callback with self.raise_$"):
         compiled(Kicker).run(object()).send("finish", internal=True)
+
+
+class BaseFlow(StateChart):
+    """An abstract base of charts: shared guards, no state."""
+
+    def audit(self) -> bool:
+        return True
+
+
+class ConcreteFlow(BaseFlow):
+    a = State(initial=True)
+    b = State(final=True)
+    go = a.to(b, cond="audit")
+
+
+def test_an_abstract_base_chart_names_the_subclasses_to_give(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The API said ``BaseFlow: declaration BaseFlow declares no states`` and the commands
+    ``name the subclass that declares them`` without naming one, where the module declares
+    it beside the base."""
+    with pytest.raises(ValueError) as refused:
+        compiled(BaseFlow)
+    assert str(refused.value) == (
+        "BaseFlow: declaration BaseFlow declares no states (a base class of charts? name a "
+        "subclass that declares them: ConcreteFlow)")
+    (tmp_path / "flows69.py").write_text(textwrap.dedent("""
+        from statemachine import State, StateChart
+
+        class Base(StateChart):
+            def audit(self):
+                return True
+
+        class Flow(Base):
+            a = State(initial=True)
+            b = State(final=True)
+            go = a.to(b, cond="audit")
+        """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flows69", raising=False)
+    assert cli(["charts", "paths", "flows69:Base"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("calexec charts paths: 'flows69:Base': Base declares no states (a base "
+                   "class of charts? name a subclass that declares them: flows69:Flow)"), err
