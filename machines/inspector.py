@@ -704,8 +704,13 @@ def path_page(chart: ChartLike, record: Mapping[str, object], heading: str,
         via = step.get("via")
         return str(step.get("to") or "refused") + (f" (via history {via})" if via else "")
 
+    def event(step: Mapping[str, Json]) -> str:
+        # (an eventless transition's step has no event: said as the diagram and paths say it)
+        name = step.get("event")
+        return "(eventless)" if name in ("", None) else str(name)
+
     rows = "".join(
-        f"<tr><td>{ms(s)}</td><td>{html.escape(str(s.get('event')))}</td>"
+        f"<tr><td>{ms(s)}</td><td>{html.escape(event(s))}</td>"
         f"<td>{html.escape(str(s.get('from')))}</td>"
         f"<td>{html.escape(to(s))}</td>"
         f"<td class='refused'>{html.escape(refused(s))}</td></tr>"

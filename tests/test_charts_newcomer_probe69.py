@@ -6,12 +6,14 @@ do; before, a delayed event and an abstract base chart were refused without the 
 
 from __future__ import annotations
 
+import shutil
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from statemachine import Event, State, StateChart
+from statemachine.transition_list import TransitionList
 
 from calexec.cli import main as cli
 from calexec.machines.chart_support import UnsupportedChart
@@ -111,3 +113,48 @@ def test_an_abstract_base_chart_names_the_subclasses_to_give(
     err = capsys.readouterr().err.strip()
     assert err == ("calexec charts paths: 'flows69:Base': Base declares no states (a base "
                    "class of charts? name a subclass that declares them: flows69:Flow)"), err
+
+
+class Stages(StateChart):
+    idle = State(initial=True)
+
+    class running(State.Compound):  # noqa: N801 - a state's id, as python-statemachine reads it
+        fetch = State(initial=True)
+        check = State()
+        ok = State(final=True)
+        advance = fetch.to(check)
+        check.to(ok, cond="valid")  # eventless
+
+    done = State(final=True)
+    start = idle.to(running)
+    done_state_running = running.to(done)
+
+    def valid(self) -> bool:
+        return True
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="the run's page draws it: graphviz")
+def test_the_live_page_of_a_run_names_an_eventless_step() -> None:
+    """The live view's page of a followed run (``/charts/runs/j0``) listed the step of an
+    eventless transition with an empty event cell, where the diagram and ``charts paths`` say
+    ``(eventless)``: a reader saw a step taken on no event at all."""
+    pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+    from starlette.testclient import TestClient
+
+    from calexec.machines.inspector import Inspector, inspector_app
+
+    inspector = Inspector()
+    job = Stages()
+    inspector.register(Stages, runs=lambda: [job])
+    inspector.paths.follow("j0", job)
+    job.send("start")
+    job.send("advance")
+    assert job.done.is_active
+    client = TestClient(inspector_app(inspector))
+    trail = client.get("/runs/j0?format=json").json()["trail"]
+    assert [(s["event"], s["from"], s["to"]) for s in trail] == [
+        ("start", "idle", "running"), ("advance", "fetch", "check"), ("", "check", "ok"),
+        ("done.state.running", "running", "done")]
+    page = client.get("/runs/j0")
+    assert page.status_code == 200
+    assert ("<td>(eventless)</td><td>check</td><td>ok</td>" in page.text), page.text[:2000]
