@@ -95,6 +95,25 @@ class _InstanceCounter(ToolListener):
                 self.taken[default.id] += 1
 
 
+def _registered_already(name: str, held: CompiledChart, given: CompiledChart) -> str:
+    """``register``'s refusal of ``name``, held by ``held``: the same chart registered twice,
+    or another chart of that name (``shop.orders:Order``, ``billing.orders:Order``), which the
+    page and its URLs could not tell apart: what to give instead."""
+    def where(chart: CompiledChart) -> str:
+        declared = chart.declaration
+        return f"{declared.__module__}:{declared.__qualname__}"
+
+    if held.declaration is given.declaration:
+        return (f"register: a chart named {name!r} is already registered: {where(given)}, "
+                f"registered already; register a chart once (or each time under another "
+                f"name=)")
+    return (f"register: a chart named {name!r} is already registered: {where(held)}; "
+            f"{where(given)} is another chart of that name, which the page and its URLs "
+            f"could not tell apart: register it with another name=, e.g. "
+            f"register({given.declaration.__qualname__}, ..., "
+            f"name={given.declaration.__module__ + '.' + given.declaration.__qualname__!r})")
+
+
 @attrs.define
 class Registered:
     """One chart the inspector shows: its name, compiled form, and where its counts come
@@ -497,7 +516,7 @@ class Inspector:
         instances = _InstanceCounter(shared)
         with self._mu:
             if name in self.charts:
-                raise ValueError(f"register: a chart named {name!r} is already registered")
+                raise ValueError(_registered_already(name, self.charts[name].chart, shared))
             if count_instances:  # python-statemachine 3's class listeners (coverage.track)
                 shared.declaration._class_listeners.append(instances)
             entry = self.charts[name] = Registered(name, shared, counts, active, instances,

@@ -158,3 +158,41 @@ def test_the_live_page_of_a_run_names_an_eventless_step() -> None:
     page = client.get("/runs/j0")
     assert page.status_code == 200
     assert ("<td>(eventless)</td><td>check</td><td>ok</td>" in page.text), page.text[:2000]
+
+
+def _flow(module: str, states: tuple[str, str]) -> type[StateChart]:
+    """A chart class ``Flow`` declared in ``module`` (two teams' charts of one name)."""
+    first, second = states
+    body = {first: State(initial=True), second: State(final=True), "__module__": module}
+    body["go"] = body[first].to(body[second])
+    return type(StateChart)("Flow", (StateChart,), body)
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="the chart's drawing: graphviz")
+def test_registering_a_second_chart_of_one_name_says_which_and_what_to_give() -> None:
+    """``inspector.register(billing.Flow, ...)`` after ``register(shop.Flow, ...)`` said
+    ``a chart named 'Flow' is already registered`` whether it was the same chart twice or
+    another of that name, naming neither nor the ``name=`` that shows both."""
+    pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+    from starlette.testclient import TestClient
+
+    from calexec.machines.inspector import Inspector, inspector_app
+
+    shop, billing = _flow("shop69", ("a", "b")), _flow("billing69", ("x", "y"))
+    inspector = Inspector()
+    inspector.register(shop, counts=lambda: {"a": 1})
+    with pytest.raises(ValueError) as refused:
+        inspector.register(billing, counts=lambda: {"x": 2})
+    assert str(refused.value) == (
+        "register: a chart named 'Flow' is already registered: shop69:Flow; billing69:Flow is "
+        "another chart of that name, which the page and its URLs could not tell apart: "
+        "register it with another name=, e.g. register(Flow, ..., name='billing69.Flow')")
+    with pytest.raises(ValueError, match=r"already registered: shop69:Flow, registered already; "
+                                         r"register a chart once"):
+        inspector.register(shop, counts=lambda: {})
+    inspector.register(billing, counts=lambda: {"x": 2}, name="billing69.Flow")  # as it says
+    client = TestClient(inspector_app(inspector))
+    live = client.get("/live.json").json()["charts"]
+    assert live["Flow"]["counts"]["a"] == 1 and live["billing69.Flow"]["counts"]["x"] == 2
+    assert client.get("/billing69.Flow.svg").status_code == 200
+    inspector.close()
