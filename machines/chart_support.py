@@ -315,17 +315,41 @@ def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
 def same_ids(declaration: type[StateChart[Any]]) -> list[str]:
     """``N states with id 'x' (in 'a', 'b')`` for each id declared by several states (children
     of different compound states may share a name; python-statemachine's ``states_map`` keeps
-    one of them, and every tool would answer for that one)."""
-    parents: dict[str, list[str]] = {}
+    one of them, and every tool would answer for that one); for one ``State`` bound to several
+    names of the class body (``lambda_ = State()``, then ``for _s in (idle, lambda_): ...``
+    leaves ``_s`` bound to it), which python-statemachine names after the last and lists once
+    per name, ``state '_s' is one State bound to 2 names ...`` (``aliased``)."""
+    parents: dict[str, list[tuple[str, object]]] = {}
     pending = list(declaration.states)
     while pending:
         state = pending.pop(0)
         parent = state.parent.id if state.parent is not None else declaration.__name__
-        parents.setdefault(state.id, []).append(parent)
+        parents.setdefault(state.id, []).append((parent, state))
         pending.extend(state.states)
         pending.extend(getattr(state, "history", ()) or ())
-    return [f"{len(where)} states with id {state_id!r} (in {', '.join(map(repr, where))})"
-            for state_id, where in parents.items() if len(where) > 1]
+    found = []
+    for state_id, where in parents.items():
+        if len(where) < 2:
+            continue
+        if all(state is where[0][1] for _, state in where):
+            found.append(aliased(declaration, state_id, where[0][1], len(where)))
+        else:
+            found.append(f"{len(where)} states with id {state_id!r} "
+                         f"(in {', '.join(repr(parent) for parent, _ in where)})")
+    return found
+
+
+def aliased(declaration: type, state_id: str, state: object, listed: int) -> str:
+    """``state '_s' is one State bound to 2 names in Pipeline's class body ...``: what
+    python-statemachine made of a state bound to several names, and which to delete."""
+    names = [name for name, value in vars(declaration).items() if value is state]
+    bound = f" ({', '.join(names)})" if len(names) > 1 else ""
+    fix = (f"del {', '.join(names[1:])} after the loop, or keep one name" if len(names) > 1
+           else "keep one name")
+    return (f"state {state_id!r} is one State bound to {listed} names in "
+            f"{declaration.__name__}'s class body{bound}: an alias, or a loop variable left "
+            f"there (for s in (a, b): ...); python-statemachine names it after the last, "
+            f"{state_id!r}, and lists it {listed} times: {fix}")
 
 
 def _redeclared(declaration: type[StateChart[Any]]) -> list[str]:

@@ -196,3 +196,29 @@ def test_registering_a_second_chart_of_one_name_says_which_and_what_to_give() ->
     assert live["Flow"]["counts"]["a"] == 1 and live["billing69.Flow"]["counts"]["x"] == 2
     assert client.get("/billing69.Flow.svg").status_code == 200
     inspector.close()
+
+
+def test_a_state_left_bound_to_a_loop_variable_is_named_as_one_state_of_two_names() -> None:
+    """A ``TransitionList`` built in a loop in the class body (``for _s in (idle, lambda_):
+    _abort = _abort | _s.to(finished)``) leaves ``_s`` bound to ``lambda_``:
+    python-statemachine names that state ``_s`` and lists it twice. Every tool refused it as
+    ``2 states with id '_s' (in 'Looped', 'Looped')``: two states, where the chart declares
+    one and no state ``_s`` at all."""
+
+    class Looped(StateChart):
+        idle = State(initial=True)
+        lambda_ = State(name="lambda")
+        finished = State(final=True)
+        go = idle.to(lambda_)
+        _abort = TransitionList()
+        for _s in (idle, lambda_):
+            _abort = _abort | _s.to(finished)
+        abort = Event(_abort)
+
+    with pytest.raises(UnsupportedChart) as refused:
+        compile_chart(Looped)
+    assert str(refused.value) == (
+        "Looped: the compiled form does not support yet: state '_s' is one State bound to 2 "
+        "names in Looped's class body (lambda_, _s): an alias, or a loop variable left there "
+        "(for s in (a, b): ...); python-statemachine names it after the last, '_s', and lists "
+        "it 2 times: del _s after the loop, or keep one name")
