@@ -192,7 +192,7 @@ class Registered:
         return ",".join(configuration) or None, None
 
 
-def _by_value(chart: CompiledChart, answered: object) -> str:
+def _by_value(chart: CompiledChart, answered: object, verb: str = "answer") -> str:
     """``; Door.LOCKED is the value of state LOCKED: answer its id`` when what an app's
     function answered is a state's value (an Enum member, what ``configuration_values`` of
     an instance holds, or a ``value=``), else empty."""
@@ -201,8 +201,19 @@ def _by_value(chart: CompiledChart, answered: object) -> str:
     except Exception:  # noqa: BLE001 - an unhashable answer: no value of a state
         return ""
     if state is None or state == answered:
+        return _by_name(chart, answered, verb)
+    return f"; {shown(answered, 60)} is the value of state {state}: {verb} its id, {state}"
+
+
+def _by_name(chart: CompiledChart, answered: object, verb: str = "answer") -> str:
+    """``; "class" is the name of state class_: answer its id, class_`` when ``answered`` is
+    the name a state was given (``class_ = State(name="class")``, which its diagram shows
+    first, ``class (class_)``) rather than its id, else empty."""
+    named = [str(state.id) for state in chart.declaration.states_map.values()
+             if isinstance(answered, str) and state.name == answered and state.id != answered]
+    if not named:
         return ""
-    return f"; {shown(answered, 60)} is the value of state {state}: answer its id, {state}"
+    return f"; {shown(answered, 60)} is the name of state {named[0]}: {verb} its id, {named[0]}"
 
 
 def busiest_configuration(chart: CompiledChart, counts: Mapping[str, int]) -> str | None:
@@ -851,8 +862,10 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             configuration = active_configuration(entry.chart, given)
         except ActiveStatesError as err:
             value = ",".join(given)
+            meant = "".join(_by_value(entry.chart, unknown, "give")
+                            for unknown in err.unknown[:8])
             return refused(request, 400, f"active={shown(value[:120])}: "
-                                         f"{unhighlightable(err, name, value)}")
+                                         f"{unhighlightable(err, name, value)}{meant}")
         active = ",".join(configuration) if configuration else entry.highlighted()
         try:
             svg = await run_in_threadpool(opts.svg, entry.chart, active)

@@ -222,3 +222,41 @@ def test_a_state_left_bound_to_a_loop_variable_is_named_as_one_state_of_two_name
         "names in Looped's class body (lambda_, _s): an alias, or a loop variable left there "
         "(for s in (a, b): ...); python-statemachine names it after the last, '_s', and lists "
         "it 2 times: del _s after the loop, or keep one name")
+
+
+class Keywords(StateChart):
+    """States named like Python keywords, by ``name=`` (their ids end in ``_``)."""
+
+    idle = State(initial=True)
+    class_ = State(name="class")
+    lambda_ = State(name="lambda", final=True)
+    classify = idle.to(class_)
+    finish = class_.to(lambda_)
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="the chart's drawing: graphviz")
+def test_a_state_named_by_its_name_in_the_live_view_says_to_give_its_id() -> None:
+    """``class_ = State(name="class")`` is drawn ``class (class_)``; the live view given
+    ``class`` (``?active=class``, a ``counts`` or ``active`` function answering it) said
+    ``not a state of "Keywords" (its states, by id: ...)`` and no word that it is that
+    state's name, where a state's value gets ``is the value of state ...: answer its id``."""
+    pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+    from starlette.testclient import TestClient
+
+    from calexec.machines.inspector import Inspector, inspector_app
+
+    inspector = Inspector()
+    inspector.register(Keywords, counts=lambda: {"class": 1}, active=lambda: "lambda")
+    client = TestClient(inspector_app(inspector))
+    answer = client.get("/Keywords.svg?active=idle,class")
+    assert answer.status_code == 400
+    assert answer.json()["error"].endswith(
+        '; "class" is the name of state class_: give its id, class_'), answer.json()
+    error = client.get("/live.json").json()["charts"]["Keywords"]["error"]
+    assert error.endswith('; "class" is the name of state class_: answer its id, class_'), error
+    inspector = Inspector()
+    inspector.register(Keywords, counts=lambda: {"class_": 1}, active=lambda: "lambda")
+    error = TestClient(inspector_app(inspector)).get("/live.json").json()["charts"]["Keywords"]
+    assert error["error"].endswith(
+        '; "lambda" is the name of state lambda_: answer its id, lambda_'), error
+    inspector.close()
