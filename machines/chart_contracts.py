@@ -46,7 +46,7 @@ from statemachine import StateChart
 from statemachine.exceptions import InvalidDefinition
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import ToolListener, alive
+from calexec.machines.chart_support import ToolListener, alive, by_its_name
 from calexec.machines.contract_decl import (
     Check as Check,
 )
@@ -119,9 +119,11 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
         for name in contract.names:
             if name not in known:
                 what = "a state" if contract.kind == "invariant" else "an event"
+                meant = by_its_name(shared.declaration, name,
+                                    "state" if contract.kind == "invariant" else "event")
                 raise ValueError(f"{shared.name}: @{contract.kind}({name!r}) on "
                                  f"{contract.name}: {name!r} is not {what} of the chart "
-                                 f"(one of {', '.join(known)})")
+                                 f"(one of {', '.join(known)}){meant}")
     return tuple(found.values())
 
 
@@ -357,7 +359,8 @@ def check_invariants(chart: ChartLike, state: str, model: Model) -> list[Contrac
 
     shared = compiled(chart)
     if state not in shared.states:
-        raise ValueError(f"{shared.name}: state={state!r} is not one of {shared.states}")
+        raise ValueError(f"{shared.name}: state={state!r} is not one of {shared.states}"
+                         f"{by_its_name(shared.declaration, state, 'state')}")
     checker = ContractChecker(shared, declared_contracts(shared))
     monitor = ContractMonitor(raise_on_violation=False)
     checker.monitors = (monitor,)

@@ -119,6 +119,30 @@ def no_states(declaration: type, refer: Callable[[type], str]) -> str:
             f"subclass that declares them{': ' + subclasses if subclasses else ''})")
 
 
+def by_its_name(declaration: type, given: str, kind: str) -> str:
+    """``; 'class' is the name of state class_: give its id, class_`` when ``given``, which names
+    no state (``kind`` "state") or event (else) of ``declaration`` by id, is the name one was
+    given (``State(name="class")``, ``Event(..., name="start job")``, what diagrams draw) or
+    the class attribute declaring an event of another id (``classify = Event(...,
+    id="job.classify")``); else empty."""
+    if kind == "state":
+        states = getattr(declaration, "states_map", {}).values()
+        named = [str(state.id) for state in states if state.name == given and state.id != given]
+        return f"; {given!r} is the name of state {named[0]}: give its id, {named[0]}" \
+            if named else ""
+    events = list(getattr(declaration, "events", ()) or ())
+    named = [str(event.id) for event in events if event.name == given and event.id != given]
+    if named:
+        return f"; {given!r} is the name of event {named[0]!r}: give its id, {named[0]}"
+    declared = vars(declaration).get(given)
+    declared_id = getattr(declared, "id", None)
+    if declared is not None and any(event is declared for event in events) \
+            and declared_id != given:
+        return (f"; {given!r} is the attribute declaring event {declared_id!r}: give its id, "
+                f"{declared_id}")
+    return ""
+
+
 def not_a_chart(value: object, argument: str = "chart", compiled_form: bool = True) -> TypeError:
     """The ``TypeError`` for ``argument=value`` where a chart class was expected (or, with
     ``compiled_form``, its ``CompiledChart``), naming the argument and saying what to pass

@@ -260,3 +260,37 @@ def test_a_state_named_by_its_name_in_the_live_view_says_to_give_its_id() -> Non
     assert error["error"].endswith(
         '; "lambda" is the name of state lambda_: answer its id, lambda_'), error
     inspector.close()
+
+
+def test_a_contract_naming_a_state_or_event_by_its_name_says_to_give_its_id() -> None:
+    """``@invariant("class")`` on a chart with ``class_ = State(name="class")``,
+    ``@precondition("start job")`` of ``start = Event(..., name="start job")`` and
+    ``@precondition("classify")`` of ``classify = Event(..., id="job.classify")`` (what the
+    diagram draws, and the attribute the class declares) were each refused ``... is not a
+    state (an event) of the chart (one of ...)`` alone."""
+    from calexec.machines.chart_contracts import check_invariants, declared_contracts, invariant
+    from calexec.machines.chart_contracts import precondition as pre
+
+    def chart(contract: object) -> type[StateChart]:
+        body: dict[str, object] = {"__module__": __name__, "idle": State(initial=True),
+                                   "class_": State(name="class"), "end": State(final=True)}
+        body["start"] = Event(body["idle"].to(body["class_"]), name="start job")
+        body["classify"] = Event(body["class_"].to(body["end"]), id="job.classify")
+        body["rule"] = contract
+        return type(StateChart)("Tagged", (StateChart,), body)
+
+    def holds(_model: object) -> bool:
+        return True
+
+    for contract, hint in [
+            (invariant("class")(holds),
+             "; 'class' is the name of state class_: give its id, class_"),
+            (pre("start job")(holds), "; 'start job' is the name of event 'start': give its "
+                                      "id, start"),
+            (pre("classify")(holds), "; 'classify' is the attribute declaring event "
+                                     "'job.classify': give its id, job.classify")]:
+        with pytest.raises(ValueError) as refused:
+            declared_contracts(chart(contract))
+        assert str(refused.value).endswith(hint), str(refused.value)
+    with pytest.raises(ValueError, match=r"; 'class' is the name of state class_: give its id"):
+        check_invariants(chart(invariant("class_")(holds)), "class", object())
