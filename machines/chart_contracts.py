@@ -35,6 +35,7 @@ hypothesis ``@invariant`` calls it between rules).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import sys
 import threading
@@ -121,6 +122,9 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
                 what = "a state" if contract.kind == "invariant" else "an event"
                 meant = by_its_name(shared.declaration, name,
                                     "state" if contract.kind == "invariant" else "event")
+                near = difflib.get_close_matches(name, known, n=1)
+                if not meant and near:  # (a typo: @precondition("job.clasify"))
+                    meant = f"; did you mean {near[0]!r}?"
                 raise ValueError(f"{shared.name}: @{contract.kind}({name!r}) on "
                                  f"{contract.name}: {name!r} is not {what} of the chart "
                                  f"(one of {', '.join(known)}){meant}")

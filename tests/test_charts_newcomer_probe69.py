@@ -294,3 +294,6 @@ def test_a_contract_naming_a_state_or_event_by_its_name_says_to_give_its_id() ->
         assert str(refused.value).endswith(hint), str(refused.value)
     with pytest.raises(ValueError, match=r"; 'class' is the name of state class_: give its id"):
         check_invariants(chart(invariant("class_")(holds)), "class", object())
+    with pytest.raises(ValueError, match=r"\(one of start, job.classify\); did you mean "
+                                         r"'job.classify'\?$"):
+        declared_contracts(chart(pre("job.clasify")(holds)))  # a typo
