@@ -78,7 +78,8 @@ def test_the_live_json_errors_show_the_apps_answer_as_json(door_app):
     charts = door_app.get("/charts/live.json").json()["charts"]
     assert charts["typo"]["error"] == (
         'typo: the counts= function given to register answered a state the chart does not '
-        'have: "Closed" (its states, by id: closed, opening, open)')
+        'have: "Closed" (its states, by id: closed, opening, open); "Closed" is the name of '
+        'state closed: answer its id, closed')
     assert charts["nan"]["error"] == (
         'nan: the counts= function given to register answered a count that is no integer: '
         '"open"="two"')

@@ -470,7 +470,8 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
         live = client.get("/charts/live.json").json()["charts"]
         assert live["typo"]["error"] == (
             "typo: the active= function given to register answered a state the chart does "
-            'not have: "On" (its states, by id: off, on)')
+            'not have: "On" (its states, by id: off, on); "On" is the name of state on: answer '
+            'its id, on')
         assert live["typo"]["counts"] == {"off": 2, "on": 1} and "error" not in live["Lamp"]
     inspector.close()
 
