@@ -323,7 +323,7 @@ class Typo(StateChart):
     ("Aio", "Aio: the compiled form does not support yet: async callback 'on_go' on transition "
             "idle --go--> done (a run of it is refused; diagrams and paths take the chart)"),
     ("Typo", "Typo: @invariant('dnoe') on finished: 'dnoe' is not a state of the chart "
-             "(one of idle, done)"),
+             "(one of idle, done); did you mean 'done'?"),
 ])
 def test_a_chart_the_contracts_option_cannot_check_is_named_by_the_option_s_value(
         tmp_path, chart, reason):
