@@ -259,12 +259,9 @@ def _same_ids_hint(err: BaseException) -> str:
         same = same_ids(made)
     except Exception:  # noqa: BLE001 - a class half made: no hint rather than another error
         return ""
-    twice = [entry for entry in same if entry[:1].isdigit()]  # (not a state's alias)
-    if twice:
-        return (f"; its cause may be: {'; '.join(twice)}, of which python-statemachine keeps "
-                f"one: rename one")
     if same:
-        return f"; its cause may be: {'; '.join(same)}"
+        return (f"; its cause may be: {'; '.join(same)}, of which python-statemachine keeps "
+                f"one: rename one")
     try:
         named = named_targets(made)
     except Exception:  # noqa: BLE001 - as above
