@@ -352,3 +352,40 @@ def test_the_loop_is_woken_once_a_burst_and_once_a_streamed_token(tmp_path):
     # per stream: the prefill's wait (the resolving thread) and its enqueue's worker thread,
     # then at most 6 hand-offs of a decode token and the burst's end
     assert streamed.get("calexec-burst", 0) <= 7 * requests, streamed
+
+
+def _answer_on_device_at_deadline(tmp_path, path: str) -> tuple:
+    """A 1-token greedy completion (its prefill the last job, the one a burst hands over)
+    whose job is on the device when the request's 1 s timeout passes (the prefill takes
+    3 s), on a fresh server of ``path`` with 5 s of slack (the loop's own cut: 0.5 s after
+    the deadline): (HTTP status, error code, message)."""
+    tmp_path.mkdir()
+    executor = started_executor(tmp_path, "decode_us=0", auto_prearm=False)
+    try:
+        app = create_app(executor, ServerConfig(**PATHS[path], deadline_slack_s=5.0))
+        service = app.state.service
+        with LiveServer(app) as live:
+            assert executor.device.emu.set_latency(0, 3_000_000, 0, 0) == 0
+            with httpx.Client(base_url=live.url, timeout=30.0) as client:
+                r = client.post("/v1/completions",
+                                json={"prompt": [5], "max_tokens": 1, "timeout": 1.0})
+            executor.device.emu.set_latency(0, 0, 0, 0)
+            wait_for(lambda: idle(executor, service), timeout=20.0,
+                     what="server idle after the deadline")
+    finally:
+        executor.shutdown(5.0)
+    error = r.json()["error"]
+    return r.status_code, error.get("code"), error["message"]
+
+
+def test_a_handed_last_job_still_on_the_device_at_the_deadline_answers_then(tmp_path):
+    """The job a non-streamed burst hands over (its token the run's last) and that the
+    device still runs when the request's deadline passes: the plain path's wait (and the
+    burst's thread, before stop 69) answers at the deadline, ``wait_until deadline
+    passed``. The hand-off waited for the job's resolution instead: the loop's own cut a
+    tenth of the slack later (504 "the server stopped waiting"), or the job's tokens when it
+    ended within that tenth (200 after the timeout, where the plain path answers 504)."""
+    plain = _answer_on_device_at_deadline(tmp_path / "plain", "plain")
+    fast = _answer_on_device_at_deadline(tmp_path / "bursts", "bursts")
+    assert plain[0] == 504 and "wait_until deadline passed" in plain[2], plain
+    assert fast == plain

@@ -767,6 +767,17 @@ def _settle_answer(answer: asyncio.Future[Any], outcome: object,
         answer.set_result(outcome)
 
 
+def _answer_at_deadline(answer: asyncio.Future[Any], handed: list[Any]) -> None:
+    """(On its loop, at the request's deadline.) A burst that handed its last job over and
+    has not answered (the job is not resolved: on the device, it is not before its
+    execution deadline) answers now with its outcome, for ``_take_last`` to look at the job
+    (``wait.deadline``, as the burst's thread's ``wait_until`` answered at the deadline).
+    Nothing handed yet: the burst's thread answers itself (its wait answers at the
+    deadline; a job it hands after the deadline, at once)."""
+    if handed and not answer.done():
+        answer.set_result(handed[0])
+
+
 def _set_event() -> threading.Event:
     event = threading.Event()
     event.set()
@@ -1280,46 +1291,62 @@ class CompletionService:
         returns, or, when it handed the run's last job over (``hand_last``), the thread that
         resolves that job does, from its done callback (``_burst_answering``): the
         loop wakes once for the burst, not once for the job's thread and once more for the
-        burst's (issue 28, stop 69). Cancelled, the await ends at once and the thread goes on
-        until it sees the cut (``_cut_burst``), as ``abandon_on_cancel`` did. Once the pool
-        is shut down (the app stopped), anyio's thread, as before stop 65."""
+        burst's (issue 28, stop 69). A handed job not resolved by the request's deadline is
+        answered then by the loop's own timer (``_answer_at_deadline``), as the burst's
+        thread's ``wait_until`` answered it (``wait.deadline``; a job on the device is not
+        resolved at the request's deadline). Cancelled, the await ends at once and the
+        thread goes on until it sees the cut (``_cut_burst``), as ``abandon_on_cancel`` did.
+        Once the pool is shut down (the app stopped), anyio's thread, as before stop 65."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[tuple[int, tuple[Any, Any] | None, Any]] = loop.create_future()
+        handed: list[tuple[int, tuple[Any, Any] | None, Any]] = []
         context = contextvars.copy_context()
         try:
             self._burst_threads.submit(context.run, self._burst_answering, run, hand_last,
-                                       loop, answer)
+                                       loop, answer, handed)
         except RuntimeError:  # (the pool is shut down: it takes no new work)
             return to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
                                       limiter=self._stream_limiter)
+        if hand_last:
+            timer = loop.call_later(max(0.0, run.deadline - time.monotonic()),
+                                    _answer_at_deadline, answer, handed)
+            answer.add_done_callback(lambda _answer: timer.cancel())
         return answer
 
     def _burst_answering(self, run: RequestRun, hand_last: bool,
                          loop: asyncio.AbstractEventLoop,
-                         answer: asyncio.Future[tuple[int, tuple[Any, Any] | None, Any]]
-                         ) -> None:
+                         answer: asyncio.Future[tuple[int, tuple[Any, Any] | None, Any]],
+                         handed: list[tuple[int, tuple[Any, Any] | None, Any]]) -> None:
         """(A burst's thread.) ``_burst``, its outcome (or what it raised) given to the loop's
         ``answer``; a last job it handed over answers when resolved (its done callback),
         its done callback registered after the burst's enqueue fence was left, so the loop
-        never finds the fence still held by a burst that answered."""
+        never finds the fence still held by a burst that answered. The outcome is in
+        ``handed`` first, for the loop's timer at the request's deadline; once that passed
+        (the timer may have found ``handed`` empty), the thread answers at once."""
         try:
             outcome = self._burst(run, hand_last)
         except BaseException as exc:
             _answer_threadsafe(loop, answer, None, exc)
             raise
         last = outcome[2]
-        if last is None:
-            _answer_threadsafe(loop, answer, outcome, None)
-        else:
-            last.add_done_callback(lambda _handle: _answer_threadsafe(loop, answer, outcome, None))
+        if last is not None:
+            handed.append(outcome)
+            if time.monotonic() < run.deadline:
+                last.add_done_callback(
+                    lambda _handle: _answer_threadsafe(loop, answer, outcome, None))
+                return
+        _answer_threadsafe(loop, answer, outcome, None)
 
     def _take_last(self, run: RequestRun, last: Any, steps: int
                    ) -> tuple[int, tuple[Any, Any] | None]:
-        """(The loop.) The resolved last job of a non-streamed burst (``_burst``'s
-        ``hand_last``): committed to ``run`` under ``run.mu`` exactly as the burst's thread
-        commits a result (unless the burst was cut), or its failure returned as the burst's
-        failed step. Returns (steps, failure) as ``_burst`` would have."""
-        result = last.wait_until(run.deadline)  # resolved: answers at once
+        """(The loop.) The last job of a non-streamed burst (``_burst``'s ``hand_last``),
+        resolved or its request's deadline passed: committed to ``run`` under ``run.mu``
+        exactly as the burst's thread commits a result (unless the burst was cut), or its
+        failure (the ``wait.deadline`` of a job still running, as the burst's thread's wait
+        answered) returned as the burst's failed step. Returns (steps, failure) as ``_burst``
+        would have. Never blocks: an unresolved job is only looked at."""
+        result = last.wait_until(run.deadline if last.done
+                                 else min(run.deadline, time.monotonic()))
         if isinstance(result, Status):
             return steps, (result, last)
         with run.mu:
@@ -1446,10 +1473,10 @@ class CompletionService:
         is committed to ``run`` under ``run.mu`` unless the burst was cut. ``hand_last`` (a
         non-streamed run): the job whose token is the run's last (``max_tokens``), when
         ``enqueue`` takes it, is not waited for here: its handle comes back third, for the
-        loop to take its result when resolved (``_in_burst_thread``, ``_take_last``). Its
-        deadline is the request's, which the executor answers itself (a deadline Status of
-        its own where this thread's ``wait_until`` could answer ``wait.deadline`` first), and
-        the loop stops waiting a tenth of the slack later (``_step``), as for any job."""
+        loop to take its result when resolved (``_in_burst_thread``, ``_take_last``), or at
+        the request's deadline, which this thread's ``wait_until`` would have answered
+        (``wait.deadline``: the executor resolves a job on the device by its execution
+        deadline, not the request's)."""
         steps = 0
         with run.mu:
             if run.closed or run.burst_cut:
