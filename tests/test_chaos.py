@@ -24,6 +24,7 @@ import json
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,9 +94,11 @@ def test_an_answer_late_by_no_more_than_the_loops_lag_is_not_the_servers_fault()
     assert len(problems) == 1 and "the event loop ran 0.200s late" in problems[0], problems
 
 
-def test_the_loop_lag_probe_measures_a_loop_that_could_not_run():
-    """``LoopLag`` on a loop held by one callback: every probe handed meanwhile ran no sooner
-    than the loop was let go, and a window with no probe is 0."""
+def _held_loop(hold_with_a_wait: bool) -> tuple[list, float, float, chaos.LoopLag]:
+    """A loop held by one callback, the probe handing it callbacks meanwhile (at least 3):
+    the callback either waits on the loop's thread (``Event.wait``: a blocking call on the
+    loop, a server's defect) or keeps it busy (the shape of a host that gives it no CPU).
+    (the probes handed while held, from, to, the probe)."""
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, name="test-loop", daemon=True)
     runner.start()
@@ -103,9 +106,15 @@ def test_the_loop_lag_probe_measures_a_loop_that_could_not_run():
 
     def hold() -> None:
         entered.set()
-        release.wait(10)
+        if hold_with_a_wait:
+            release.wait(10)
+        else:
+            end = time.monotonic() + 10
+            while not release.is_set() and time.monotonic() < end:
+                pass
     try:
         with chaos.LoopLag(loop, every_s=0.002) as lag:
+            wait_for(lambda: bool(lag.samples), timeout=10, what="the probe's first callback")
             loop.call_soon_threadsafe(hold)
             assert entered.wait(10)
             held_from = time.monotonic()
@@ -118,12 +127,73 @@ def test_the_loop_lag_probe_measures_a_loop_that_could_not_run():
             wait_for(lambda: any(h >= held_from for h, _ in lag.samples), timeout=10,
                      what="a probe handed while the loop was held to run")
         held = [(h, late) for h, late in lag.samples if held_from <= h <= released_at]
-        assert len(held) >= 2, lag.samples
-        assert all(late >= released_at - h for h, late in held), held
-        assert lag.worst(held_from, released_at) == max(late for _, late in held)
-        assert lag.worst(-2.0, -1.0) == 0.0
+        return held, held_from, released_at, lag
     finally:
         release.set()
         loop.call_soon_threadsafe(loop.stop)
         runner.join(10)
         loop.close()
+
+
+def test_the_loop_lag_probe_measures_a_loop_that_could_not_run():
+    """``LoopLag`` on a loop kept busy by one callback: every probe handed meanwhile ran no
+    sooner than the loop was let go, and a window with no probe is 0."""
+    held, held_from, released_at, lag = _held_loop(hold_with_a_wait=False)
+    assert len(held) >= 2, lag.samples
+    assert all(late >= released_at - h for h, late in held), held
+    assert lag.blocked == [], lag.blocked
+    assert lag.worst(held_from, released_at) == max(late for _, late in held)
+    assert lag.worst(-2.0, -1.0) == 0.0
+
+
+def test_a_loop_blocked_on_its_own_thread_excuses_no_late_answer():
+    """A blocking wait on the event loop's thread makes every callback handed meanwhile late
+    as a starved host does, and an answer it held up late past deadline + slack was excused
+    by that lag (stop 69's ``LoopLag``): a server that waits on its loop passed the soak. The
+    probe looks at the loop thread's stack while a callback is late: found in a blocking
+    wait (here ``Event.wait`` in this test's callback), the lag across it excuses nothing."""
+    held, held_from, released_at, lag = _held_loop(hold_with_a_wait=True)
+    assert len(held) >= 2, lag.samples
+    assert all(late >= released_at - h for h, late in held), held
+    assert lag.worst(held_from, released_at) == 0.0, (lag.blocked, held)
+    assert lag.blocked and all("in hold (waits in threading.wait)" in where
+                               for _, where in lag.blocked), lag.blocked
+    problems: list[str] = []
+    server_s = 0.085 + 0.5 + 0.3
+    chaos.check_record(_late_record(server_s), 0.5, server_s, problems, [],
+                       loop_lag_s=lag.worst(held_from, released_at))
+    assert len(problems) == 1, problems
+
+
+
+def _stack(*calls: tuple[str, str]) -> SimpleNamespace:
+    """A stack as ``sys._current_frames`` gives it (the innermost frame, ``f_back`` to the
+    outermost) of ``calls``, outermost first: (file, function)."""
+    frame = None
+    for line, (file, name) in enumerate(calls, start=1):
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=file, co_name=name),
+                                f_lineno=line, f_back=frame)
+    return frame
+
+
+def test_a_loop_waiting_for_a_new_thread_to_start_is_not_blocked():
+    """``Thread.start`` waits for the new thread to run once (anyio starts its worker threads
+    on the loop, the service its background releases; the soak found the loop there): a
+    wait for the host's scheduler, not for other work, so ``blocking_wait`` does not name
+    it. An ``Event.wait`` or a ``Thread.join`` it names with its caller; a loop in its
+    selector is idle."""
+    threading_py = "/usr/lib/python3.11/threading.py"
+    base = ("/srv/base_events.py", "_run_once")
+    start = _stack(base, ("/srv/anyio.py", "run_sync_in_worker_thread"),
+                   (threading_py, "start"), (threading_py, "wait"), (threading_py, "wait"))
+    assert chaos.blocking_wait(start) is None
+    waiting = _stack(base, ("/srv/service.py", "_take_last"), ("/srv/job.py", "wait_until"),
+                     (threading_py, "wait"), (threading_py, "wait"))
+    assert chaos.blocking_wait(waiting) == "/srv/job.py:3 in wait_until (waits in threading.wait)"
+    joining = _stack(base, ("/srv/service.py", "finish"), (threading_py, "join"),
+                     (threading_py, "_wait_for_tstate_lock"))
+    assert chaos.blocking_wait(joining) == \
+        "/srv/service.py:2 in finish (waits in threading._wait_for_tstate_lock)"
+    idle = _stack(base, ("/usr/lib/python3.11/selectors.py", "select"))
+    assert chaos.blocking_wait(idle) is None
+    assert chaos.blocking_wait(None) is None

@@ -140,6 +140,38 @@ def chaos_executor(workdir: Path, inflight_capacity: int = 1) -> DeviceExecutor:
     return executor
 
 
+#: where a thread waits for another: CPython's own waits (``Event.wait``, ``Condition.wait``,
+#: ``Thread.join``, a semaphore, a queue, a ``concurrent.futures`` result), by (file name,
+#: function): an event loop found in one is blocked on its own thread, not starved of CPU
+#: (``LoopLag``). Not the wait of ``Thread.start`` (anyio's new worker thread, the service's
+#: background release) for the new thread to run once: it waits for the host's scheduler,
+#: which is what the loop's lag excuses
+BLOCKING_WAITS = frozenset({
+    ("threading.py", "wait"), ("threading.py", "join"), ("threading.py", "acquire"),
+    ("threading.py", "_wait_for_tstate_lock"), ("queue.py", "get"), ("queue.py", "put"),
+    ("_base.py", "result"), ("_base.py", "wait")})
+
+
+def blocking_wait(frame: Any) -> str | None:
+    """Where the stack ending in ``frame`` (a thread's, ``sys._current_frames``) waits in one
+    of ``BLOCKING_WAITS``: ``"file:line in caller (waits in threading.wait)"``, the first
+    caller outside the waits' own files; None when it waits in none (running, in the
+    selector's ``select``: an idle event loop, or in ``Thread.start``)."""
+    wait = None
+    while frame is not None:
+        code = frame.f_code
+        name = (Path(code.co_filename).name, code.co_name)
+        if wait is None:
+            if name in BLOCKING_WAITS:
+                wait = f"{Path(name[0]).stem}.{name[1]}"
+        elif name == ("threading.py", "start"):
+            return None
+        elif name[0] not in {file for file, _ in BLOCKING_WAITS}:
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name} (waits in {wait})"
+        frame = frame.f_back
+    return None if wait is None else f"(waits in {wait})"
+
+
 class LoopLag:
     """How late the server's event loop runs what it is handed: every ``every_s`` a thread of
     the harness hands the loop a callback stamped with the time it was handed, and the loop
@@ -147,20 +179,54 @@ class LoopLag:
     work it was handed: an answer due at a request's deadline then goes out as late as the
     loop is, however promptly the server's own deadline fired. The soak holds a late answer
     to its deadline + slack + the loop's lag meanwhile (``worst``), and reports the lag; a
-    wait the server does not bound still shows as lateness beyond it."""
+    wait the server does not bound still shows as lateness beyond it.
+
+    A loop that blocks on its own thread (a wait for a job, a lock, a thread: a defect of the
+    server) is late the same way, so while a callback is late the probe also looks at the
+    loop thread's stack: found in a blocking wait (``blocking_wait``), that moment is noted in
+    ``blocked``, the wait lasts (``waits``) until the loop next runs a callback, and a
+    callback late across a wait excuses nothing (``worst``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, every_s: float = 0.01) -> None:
         self.loop, self.every_s = loop, every_s
         self.samples: list[tuple[float, float]] = []  # (handed at, ran that much later)
         self.handed = 0  # callbacks handed so far
+        self.ran = 0  # of those, run by the loop
+        #: (when, where): the loop thread found in a blocking wait while a callback was late
+        self.blocked: list[tuple[float, str]] = []
+        #: (first found blocked, the loop ran a callback again): the loop's blocking waits
+        self.waits: list[tuple[float, float]] = []
+        self._waiting_since: float | None = None  # found blocked, not run since
+        self.loop_thread: int | None = None  # the loop's thread (once a callback ran)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-loop-lag", daemon=True)
 
     def _ran(self, handed: float) -> None:
-        self.samples.append((handed, time.monotonic() - handed))
+        now = time.monotonic()
+        self.loop_thread = threading.get_ident()
+        self.samples.append((handed, now - handed))
+        self.ran += 1
+        since = self._waiting_since
+        if since is not None:  # the loop was found blocked before this ran: the wait ended
+            self._waiting_since = None
+            self.waits.append((since, now))
+
+    def _look(self) -> None:
+        """(The probe's thread, a callback late.) Where the loop thread is, noted when it
+        waits."""
+        ident = self.loop_thread
+        frame = None if ident is None else sys._current_frames().get(ident)
+        where = blocking_wait(frame)
+        if where is not None:
+            now = time.monotonic()
+            self.blocked.append((now, where))
+            if self._waiting_since is None:
+                self._waiting_since = now
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
+            if self.ran < self.handed:  # one handed at least every_s ago has not run
+                self._look()
             try:
                 self.loop.call_soon_threadsafe(self._ran, time.monotonic())
                 self.handed += 1
@@ -176,9 +242,15 @@ class LoopLag:
         self._thread.join(5)
 
     def worst(self, start: float, end: float) -> float:
-        """The largest lag of a callback handed to the loop in [``start``, ``end``] (0.0:
-        none handed then)."""
-        return max((lag for handed, lag in list(self.samples) if start <= handed <= end),
+        """The largest lag of a callback handed to the loop in [``start``, ``end``] and not
+        late across one of the loop's blocking waits (``waits``; one not ended yet lasts on):
+        what the host's scheduling excuses (0.0: none)."""
+        waits = list(self.waits)
+        if self._waiting_since is not None:
+            waits.append((self._waiting_since, float("inf")))
+        return max((lag for handed, lag in list(self.samples) if start <= handed <= end
+                    and not any(handed <= freed and handed + lag >= since
+                                for since, freed in waits)),
                    default=0.0)
 
 
@@ -462,6 +534,9 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
         # slack by no more than it
         "max_loop_lag_s": round(lag.worst(float("-inf"), float("inf")), 3),
         "late_within_loop_lag": excused,
+        # the loop thread found in a blocking wait while late (its lag excused nothing)
+        "loop_blocked": len(lag.blocked),
+        "loop_blocked_at": sorted({where for _, where in lag.blocked})[:5],
         "slack_s": config.deadline_slack_s, "idle": idle, "final_ready": final_ready,
         "drain": service.drain_status.code, "lifecycle": executor.state,
     }
