@@ -13,7 +13,8 @@ zero-latency calbin: the defaults (bursts) and the plain path, both without pre-
 policy reads the device's measured speed, which is the host's timing) nor implicit pre-arms,
 so both run the same jobs. Requests: greedy of 1-10 tokens (the last job the burst hands
 over, the first when there is one token), a stop token id at a drawn position (the last
-one among them), seeded sampling (no burst: the plain path on both), a device fault armed
+one among them), seeded sampling (no burst: the plain path on both), two choices (``n``: a burst and a
+hand-off each), ``ignore_eos`` (plain or streamed), a device fault armed
 on a drawn job of the request (the last one among them: CCU exception, NaN, Wait failure,
 submit busy or unavailable; each recovered and the request resumed), a request deadline that
 passes mid-generation, a client that leaves mid-generation. For every request whose outcome
@@ -89,6 +90,12 @@ def history(seed: int, count: int) -> list[dict]:
             if kind == 6:
                 spec["fault"] = (rng.randrange(len(FAULTS)), max_tokens)
         specs.append(spec)
+    more = random.Random(seed + 1)  # (the draws above stay those of the seed's history)
+    for i in range(count // 4):  # two choices (a burst and a hand-off each), or ignore_eos
+        spec = {**specs[i], "fault": None, "stop_at": None, "sampled": None,
+                "mode": more.choice(["plain", "stream"]) if i % 2 else "plain"}
+        spec["n" if i % 2 == 0 else "ignore_eos"] = 2 if i % 2 == 0 else True
+        specs.append(spec)
     for i in range(count // 4):  # how far these got is the host's timing
         spec = {**specs[i], "mode": "deadline" if i % 2 else "gone", "fault": None,
                 "stop_at": None}
@@ -103,6 +110,10 @@ def body_of(spec: dict) -> dict:
     if spec["stop_at"] is not None:
         greedy = oracle_tokens(spec["prompt"], spec["max_tokens"])
         body["stop_token_ids"] = [greedy[min(spec["stop_at"], len(greedy) - 1)]]
+    if spec.get("n"):
+        body["n"] = spec["n"]
+    if spec.get("ignore_eos"):
+        body["ignore_eos"] = True
     if spec["mode"] == "deadline":  # passes mid-generation: 10,000 tokens do not fit
         body.update(max_tokens=10_000, timeout=0.02)
     return body
@@ -124,8 +135,11 @@ def send(url: str, spec: dict) -> tuple:
         if spec["mode"] == "deadline":  # where it was noticed is timing: that it was
             return ("error", r.status_code, str(code).rpartition(".")[2])
         return ("error", r.status_code, code)
-    choice = r.json()["choices"][0]
-    return ("ok", choice["token_ids"], choice["finish_reason"])
+    choices = r.json()["choices"]
+    if len(choices) > 1:  # (n: every choice, by its index)
+        return ("ok", sorted((c["index"], c["token_ids"], c["finish_reason"])
+                             for c in choices))
+    return ("ok", choices[0]["token_ids"], choices[0]["finish_reason"])
 
 
 def send_streamed(url: str, body: dict) -> tuple:
@@ -228,8 +242,9 @@ def test_bursts_hand_off_answers_like_the_plain_path(servers, seed):
         assert fast == plain, (spec, fast, plain)
         if not timed(spec):
             assert fast_trails == plain_trails, (spec, fast_trails, plain_trails)
-        if plain[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
-                and spec["fault"] is None:
+        if plain[0] == "ok" and len(plain) == 3 and spec["sampled"] is None \
+                and spec["stop_at"] is None and spec["fault"] is None \
+                and not spec.get("ignore_eos"):
             assert plain[1] == list(oracle_tokens(spec["prompt"], spec["max_tokens"]))
         if spec["mode"] in ("plain", "stream"):  # (the timed ones come last: the counts so far agree)
             fast_m, plain_m = (moved(exposition(servers[path][0]), start[path])
