@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -197,3 +199,20 @@ def test_a_loop_waiting_for_a_new_thread_to_start_is_not_blocked():
     idle = _stack(base, ("/usr/lib/python3.11/selectors.py", "select"))
     assert chaos.blocking_wait(idle) is None
     assert chaos.blocking_wait(None) is None
+
+
+def test_a_chaos_client_that_dies_is_reported_not_lost():
+    """A client thread of the soak's clients' process that dies (here: a loopback URL whose
+    port httpx refuses, before the first request) printed its traceback to the process's
+    stderr, which the soak reads only when the process fails: the soak just had fewer
+    requests. The last line names each client that ended early."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "calexec.drivers.tools.chaos_clients", "http://127.0.0.1:port",
+         "2", "1", "30"], input="", capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "started", lines
+    last = json.loads(lines[-1])
+    assert last["alive"] == 0, last
+    assert sorted(what.split(":")[0] for what in last["crashed"]) == ["client 0", "client 1"], last
+    assert all("InvalidURL" in what for what in last["crashed"]), last

@@ -259,7 +259,8 @@ class _Clients:
     16 threads in the server's process competed with it for the GIL, and a loaded host's
     scheduling of them put the server's own answer (its dump record) past deadline + slack.
     ``finish()`` ends them: the records, the clients still running, what went wrong with the
-    process itself."""
+    process itself or ended a client early (a client's thread that died: its traceback went
+    to the process's stderr, read only when it failed, and its requests just stopped)."""
 
     def __init__(self, url: str, clients: int, seed: int, bound_s: float) -> None:
         self.proc = subprocess.Popen(
@@ -293,7 +294,11 @@ class _Clients:
         trouble = [] if self.proc.returncode == 0 else [
             f"the chaos clients' process ended with {self.proc.returncode}: {err[-2000:]}"]
         try:
-            alive = json.loads(lines[-1])["alive"] if lines else 0
+            last: dict[str, Any] = json.loads(lines[-1]) if lines else {"alive": 0,
+                                                                        "crashed": []}
+            alive = int(last["alive"])
+            trouble += [f"a chaos client ended before the soak: {what}"
+                        for what in last["crashed"]]
             records = [chaos_clients.record_of(json.loads(line)) for line in lines[:-1]]
         except (ValueError, KeyError, TypeError) as exc:
             return [], 0, [*trouble, f"the chaos clients' output unreadable: {exc!r}"]

@@ -84,16 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     process put the server's own answer (its dump record) past a deadline it kept. Prints
     ``started`` once the clients run, sends until its standard input ends (the soak's end) or
     ``MAX_SECONDS`` passed, then one JSON line per request (``as_fields``, in the order they
-    ended) and a last line ``{"alive": N}``: clients still running after their bound."""
+    ended) and a last line ``{"alive": N, "crashed": [...]}``: clients still running after
+    their bound, and what ended a client before the soak did (its requests stopped there)."""
     url, clients, seed, max_seconds = (argv if argv is not None else sys.argv[1:])
     if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
         print(f"chaos_clients: url={url!r}: loopback only", file=sys.stderr)
         return 2
     stop = threading.Event()
     out: list[Record] = []
-    threads = [threading.Thread(target=_client, args=(url, i, int(seed), stop, out),
-                                name=f"chaos-client-{i}", daemon=True)
-               for i in range(int(clients))]
+    crashed: list[str] = []
+
+    def client(index: int) -> None:
+        try:
+            _client(url, index, int(seed), stop, out)
+        except BaseException as exc:  # noqa: BLE001 - reported in the last line
+            crashed.append(f"client {index}: {exc!r}")
+    threads = [threading.Thread(target=client, args=(i,), name=f"chaos-client-{i}",
+                                daemon=True) for i in range(int(clients))]
     for thread in threads:
         thread.start()
     print("started", flush=True)
@@ -109,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         thread.join(max(0.0, end - time.monotonic()))
     for rec in list(out):
         print(json.dumps(as_fields(rec)))
-    print(json.dumps({"alive": sum(t.is_alive() for t in threads)}), flush=True)
+    print(json.dumps({"alive": sum(t.is_alive() for t in threads), "crashed": crashed}),
+          flush=True)
     return 0
 
 
