@@ -404,3 +404,30 @@ def test_a_handed_last_job_still_on_the_device_at_the_deadline_answers_then(tmp_
     fast = _answer_on_device_at_deadline(tmp_path / "bursts", "bursts")
     assert plain[0] == 504 and "wait_until deadline passed" in plain[2], plain
     assert fast == plain
+
+
+def test_a_client_leaving_during_the_handed_last_job_keeps_its_sequence_until_it_ended(
+        tmp_path):
+    """The handed last job runs outside the burst's enqueue fence (``enqueue_idle`` set):
+    a client that leaves while it is on the device ends the request at once, and its
+    sequence is given back only once that job ended (``finish`` then ``release_when_done``
+    wait for ``run.handle``, the handed job), never under it."""
+    executor = started_executor(tmp_path, "decode_us=0", auto_prearm=False)
+    try:
+        app = create_app(executor, ServerConfig(**PATHS["bursts"]))
+        service = app.state.service
+        with LiveServer(app) as live:
+            assert executor.device.emu.set_latency(0, 3_000_000, 0, 0) == 0
+            with contextlib.suppress(httpx.TimeoutException), \
+                    httpx.Client(base_url=live.url, timeout=0.3) as client:
+                client.post("/v1/completions", json={"prompt": [5], "max_tokens": 1})
+            wait_for(lambda: service.active == 0, timeout=20.0, what="the request ended")
+            on_device = executor.snapshot()["inflight"]
+            if on_device:  # (the job still on the device: 3 s)
+                assert service.sequences.in_use == 1, service.sequences.counts()
+            executor.device.emu.set_latency(0, 0, 0, 0)
+            wait_for(lambda: idle(executor, service), timeout=20.0,
+                     what="server idle after the job ended")
+        assert service.sequences.counts()["withheld"] == 0, service.sequences.counts()
+    finally:
+        executor.shutdown(5.0)
