@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -216,3 +217,31 @@ def test_a_chaos_client_that_dies_is_reported_not_lost():
     assert last["alive"] == 0, last
     assert sorted(what.split(":")[0] for what in last["crashed"]) == ["client 0", "client 1"], last
     assert all("InvalidURL" in what for what in last["crashed"]), last
+
+
+def test_the_loop_lag_of_a_window_is_the_plain_scans():
+    """``LoopLag.worst`` reads only the window's samples (bisection over the samples in the
+    order handed): the same figure as a scan of every sample, on seeded samples, blocking
+    waits (one not ended) and windows, edges included."""
+    rng = random.Random(69)
+    lag = chaos.LoopLag(asyncio.new_event_loop())
+    handed = 0.0
+    for _ in range(2000):
+        handed += rng.choice([0.0, 0.01, rng.uniform(0.0, 0.05)])
+        lag.samples.append((handed, rng.choice([0.0, rng.uniform(0.0, 0.8)])))
+    lag.waits.extend(sorted((t, t + rng.uniform(0.0, 0.3)) for t in
+                            (rng.uniform(0.0, handed) for _ in range(5))))
+
+    def plain(start: float, end: float) -> float:
+        return max((late for h, late in lag.samples if start <= h <= end
+                    and not any(h <= freed and h + late >= since for since, freed in lag.waits)),
+                   default=0.0)
+    edges = [h for h, _ in rng.sample(lag.samples, 50)]
+    windows = [(start, start + rng.uniform(0.0, 3.0))
+               for start in (rng.uniform(-1.0, handed + 1) for _ in range(300))]
+    windows += [(edge, edge + rng.choice([0.0, 0.5])) for edge in edges]
+    windows += [(edge - width, edge) for edge in edges for width in (0.0, 0.2)]
+    windows += [(float("-inf"), float("inf")), (handed + 5, handed + 6), (-2.0, -1.0)]
+    for start, end in windows:
+        assert lag.worst(start, end) == plain(start, end), (start, end)
+    assert lag.worst(float("-inf"), float("inf")) > 0.0
