@@ -240,6 +240,9 @@ def test_bursts_hand_off_answers_like_the_plain_path(servers, seed):
         plain, plain_trails = run_one(servers["plain"], spec)
         fast, fast_trails = run_one(servers["bursts"], spec)
         assert fast == plain, (spec, fast, plain)
+        if spec.get("n"):  # (the choices' jobs interleave as the host runs them)
+            fast_trails, plain_trails = sorted(map(repr, fast_trails)), sorted(
+                map(repr, plain_trails))
         if not timed(spec):
             assert fast_trails == plain_trails, (spec, fast_trails, plain_trails)
         if plain[0] == "ok" and len(plain) == 3 and spec["sampled"] is None \
