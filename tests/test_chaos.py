@@ -127,8 +127,9 @@ def _held_loop(hold_with_a_wait: bool) -> tuple[list, float, float, chaos.LoopLa
                 time.sleep(0.001)
             released_at = time.monotonic()
             release.set()
-            wait_for(lambda: any(h >= held_from for h, _ in lag.samples), timeout=10,
-                     what="a probe handed while the loop was held to run")
+            handed = lag.handed  # (each of them handed to the loop already: they run in order)
+            wait_for(lambda: len(lag.samples) >= handed, timeout=10,
+                     what="every probe handed while the loop was held to run")
         held = [(h, late) for h, late in lag.samples if held_from <= h <= released_at]
         return held, held_from, released_at, lag
     finally:
