@@ -1,0 +1,164 @@
+"""Worker threads the event loop hands work to without ever starting a thread itself.
+
+``threading.Thread.start`` returns only once the new thread has been scheduled and has
+signalled that it runs. On a CPU-starved host that wait took 0.1-0.25 s (issue 28, stop 69:
+the chaos gate's stacks found the event loop inside it, in ``ThreadPoolExecutor.submit``'s
+``_adjust_thread_count`` and in the per-release thread of ``release_later``), and every
+request the loop serves waits with it. :class:`WorkerPool` runs calls on named daemon threads
+like a ``ThreadPoolExecutor``, but its ``submit`` only queues the call and counts: a thread
+of the pool's own (its *keeper*, started with the pool) starts the workers, one whenever a
+submit takes the last idle one (so the next submit finds one ready) or finds none, up to
+``max_workers``; none before the first submit. A call waits in
+the queue for the next free or newly started worker; it never waits for a thread to start on
+the submitter's thread.
+
+The threads hold the pool's shared state, not the pool: when the :class:`WorkerPool` is
+collected without :meth:`WorkerPool.shutdown` (an app dropped by a test), its threads end as a
+``ThreadPoolExecutor``'s do.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_STOP = object()  # (a worker's queue item: end)
+
+
+class _Shared:
+    """The state the pool's threads share (under ``mu``): the work queue, and how many workers
+    there are, are idle and unclaimed (``free``), are being started, and how many queued calls
+    no idle worker was counted for (``backlog``)."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self.max_workers = max_workers
+        self.name = name
+        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.mu = threading.Lock()
+        self.keeper_cv = threading.Condition(self.mu)
+        self.workers = 0  # started (or starting) and not ended
+        self.to_start = 0  # asked of the keeper, not started yet
+        self.free = 0  # idle workers no queued call was counted against
+        self.backlog = 0  # queued calls no idle worker was counted for
+        self.closed = False
+        self.numbers = itertools.count()
+
+    def want_worker(self) -> None:
+        """(Under ``mu``.) One more worker, unless the pool has its ``max_workers``."""
+        if not self.closed and self.workers + self.to_start < self.max_workers:
+            self.to_start += 1
+            self.keeper_cv.notify()
+
+    def claim(self) -> None:
+        """(Under ``mu``, a submit.) Count the queued call against an idle worker, else as
+        backlog; ask the keeper for a worker when none is left idle."""
+        if self.free > 0:
+            self.free -= 1
+        else:
+            self.backlog += 1
+        if self.free == 0:
+            self.want_worker()
+
+    def idle(self) -> None:
+        """(Under ``mu``, a worker about to take its next call.) It takes a backlogged call or
+        counts as free."""
+        if self.backlog > 0:
+            self.backlog -= 1
+        else:
+            self.free += 1
+
+    def close(self) -> None:
+        """No new calls; every worker ends once the calls already queued ran (the keeper still
+        starts the workers asked for, then ends)."""
+        with self.mu:
+            if self.closed:
+                return
+            self.closed = True
+            stops = self.workers + self.to_start  # (the keeper still starts those asked for)
+            self.keeper_cv.notify_all()
+        for _ in range(stops):
+            self.work.put(_STOP)
+
+    def keep(self) -> None:
+        """(The keeper thread.) Start the workers asked for, until the pool is closed."""
+        while True:
+            with self.mu:
+                while self.to_start == 0 and not self.closed:
+                    self.keeper_cv.wait()
+                if self.to_start == 0:  # (closed)
+                    return
+                self.to_start -= 1
+                self.workers += 1
+                number = next(self.numbers)
+            thread = threading.Thread(target=self.serve, name=f"{self.name}_{number}",
+                                      daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # (no thread can be started: the interpreter is ending)
+                with self.mu:
+                    self.workers -= 1
+                return
+
+    def serve(self) -> None:
+        """(A worker.) Run queued calls until told to stop."""
+        while True:
+            with self.mu:
+                self.idle()
+            item = self.work.get()
+            if item is _STOP:
+                with self.mu:
+                    self.workers -= 1
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            del item, future, fn, args  # (nothing of the call kept while idle)
+
+
+class WorkerPool:
+    """Up to ``max_workers`` daemon threads named ``{name}_N`` that run submitted calls; a
+    submit never starts a thread (module doc). ``shutdown`` is final: later submits raise
+    ``RuntimeError`` as a shut-down ``ThreadPoolExecutor``'s do."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        if max_workers < 1:
+            raise ValueError(f"WorkerPool max_workers must be >= 1, got {max_workers}")
+        self._shared = _Shared(max_workers, name)
+        self._keeper = threading.Thread(target=self._shared.keep, name=f"{name}-keeper",
+                                        daemon=True)
+        self._keeper.start()
+        weakref.finalize(self, self._shared.close)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)``; its future. Never blocks beyond a lock held for counting."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        shared = self._shared
+        with shared.mu:
+            if shared.closed:
+                raise RuntimeError(f"cannot schedule new calls after {shared.name}'s shutdown")
+            shared.claim()
+        shared.work.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """No new calls; idle workers end now, busy ones after the calls already queued."""
+        self._shared.close()
+
+    @property
+    def workers(self) -> int:
+        """Workers started (or being started) and not ended."""
+        with self._shared.mu:
+            return self._shared.workers + self._shared.to_start

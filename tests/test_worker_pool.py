@@ -1,0 +1,119 @@
+"""``drivers/serving/threads.WorkerPool`` (stop 70): the server's decode bursts and background
+sequence releases run on threads the event loop hands work to without starting a thread
+itself. ``threading.Thread.start`` waits for the new thread to be scheduled, 0.1-0.25 s on a
+CPU-starved host (stop 69's chaos runs found the loop inside it: ``ThreadPoolExecutor``'s
+``_adjust_thread_count`` and ``release_later``'s thread per release), and every request the
+loop serves waited with it.
+
+Here: the pool's own semantics (every call runs once, results and exceptions through its
+future, at most ``max_workers`` threads, a call waits for a free worker rather than for a
+thread start, shutdown and collection end the threads), that the submitting thread never
+starts a thread, and, through a loopback server, that its event loop starts none for bursts
+at rising concurrency from cold, for a decode stream's close or for a release waiting for a
+hung job. Events and barriers with deadlines; no timing thresholds."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+
+from calexec.drivers.serving.threads import WorkerPool
+from test_server_support import wait_for
+from thread_starts import recording_thread_starts
+
+WAIT_S = 30.0
+
+
+def test_every_call_runs_once_with_its_result_or_exception():
+    pool = WorkerPool(3, "t-pool")
+    try:
+        futures = [pool.submit(lambda i=i: i * i) for i in range(50)]
+        assert [f.result(WAIT_S) for f in futures] == [i * i for i in range(50)]
+        failing = pool.submit(int, "not a number")
+        with pytest.raises(ValueError, match="not a number"):
+            failing.result(WAIT_S)
+        assert pool.submit(sum, [1, 2, 3]).result(WAIT_S) == 6  # the pool still serves
+    finally:
+        pool.shutdown()
+
+
+def test_the_submitting_thread_never_starts_a_thread():
+    """Eight blocking calls at once on a pool of eight: every worker is started by the pool's
+    keeper, none by the thread that submits (which before stop 70, a ``ThreadPoolExecutor``'s
+    submit, started each itself)."""
+    gate = threading.Event()
+    with recording_thread_starts() as starts:
+        pool = WorkerPool(8, "t-pool")
+        try:
+            running = threading.Barrier(9, timeout=WAIT_S)
+            futures = [pool.submit(lambda: (running.wait(), gate.wait(WAIT_S))[1])
+                       for _ in range(8)]
+            running.wait()  # all eight run at once: eight workers
+            gate.set()
+            assert all(f.result(WAIT_S) for f in futures)
+        finally:
+            gate.set()
+            pool.shutdown()
+    me = threading.current_thread()
+    by_me = [started.name for starter, started in starts.starts if starter is me]
+    assert by_me == ["t-pool-keeper"], by_me
+    workers = [(starter.name, started.name) for starter, started in starts.starts
+               if started.name.startswith("t-pool_")]
+    assert len(workers) == 8 and {s for s, _ in workers} == {"t-pool-keeper"}, workers
+
+
+def test_at_most_max_workers_and_a_call_waits_for_a_free_one():
+    """Two workers held by blocking calls: a third call waits in the queue (no third thread)
+    and runs once one is free."""
+    gate = threading.Event()
+    pool = WorkerPool(2, "t-pool")
+    try:
+        both = threading.Barrier(3, timeout=WAIT_S)
+        held = [pool.submit(lambda: (both.wait(), gate.wait(WAIT_S))[1]) for _ in range(2)]
+        both.wait()
+        third = pool.submit(threading.current_thread)
+        assert not third.done()  # (no worker free: it cannot have run)
+        assert pool.workers == 2
+        gate.set()
+        ran_on = third.result(WAIT_S)
+        assert ran_on.name.startswith("t-pool_")
+        assert all(f.result(WAIT_S) for f in held)
+        assert pool.workers == 2
+    finally:
+        gate.set()
+        pool.shutdown()
+
+
+def test_shutdown_refuses_new_calls_runs_the_queued_ones_and_ends_the_workers():
+    gate = threading.Event()
+    pool = WorkerPool(1, "t-pool")
+    held = pool.submit(gate.wait, WAIT_S)
+    queued = pool.submit(lambda: "ran")
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="t-pool"):
+        pool.submit(int)
+    gate.set()
+    assert held.result(WAIT_S) is True and queued.result(WAIT_S) == "ran"
+    wait_for(lambda: pool.workers == 0, WAIT_S, "the pool's workers to end")
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("t-pool")],
+             WAIT_S, "the pool's threads to end")
+
+
+def test_a_collected_pool_ends_its_threads():
+    """An app dropped without its lifespan's shutdown (a test's) leaves no thread behind."""
+    pool = WorkerPool(4, "t-dropped")
+    assert pool.submit(lambda: 1).result(WAIT_S) == 1
+    ref = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert ref() is None
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("t-dropped")],
+             WAIT_S, "the dropped pool's threads to end")
+
+
+def test_bad_sizes_are_refused_naming_the_value():
+    with pytest.raises(ValueError, match="max_workers must be >= 1, got 0"):
+        WorkerPool(0, "t-pool")
