@@ -15,13 +15,17 @@ hung job. Events and barriers with deadlines; no timing thresholds."""
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import weakref
 
+import httpx
 import pytest
 
+from calexec.drivers.calrt.runtime import Stage
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.threads import WorkerPool
-from test_server_support import wait_for
+from test_server_support import LiveServer, oracle_tokens, server_idle, started_executor, wait_for
 from thread_starts import recording_thread_starts
 
 WAIT_S = 30.0
@@ -117,3 +121,85 @@ def test_a_collected_pool_ends_its_threads():
 def test_bad_sizes_are_refused_naming_the_value():
     with pytest.raises(ValueError, match="max_workers must be >= 1, got 0"):
         WorkerPool(0, "t-pool")
+
+
+def _busy(emu):
+    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
+
+
+#: the defaults (bursts, inline waits) and the plain path (a worker thread per step)
+PATHS = {"defaults": {}, "plain": {"inline_waits": False, "decode_bursts": False,
+                                   "stream_bursts": False, "prearm_min_device_ms": 0.0}}
+
+
+def _stream_tokens(response) -> list[int]:
+    tokens = []
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+    return tokens
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_event_loop_starts_no_thread_for_bursts_steps_closes_or_releases(tmp_path, path):
+    """Through a loopback server: from cold, 8 then 16 clients at once (non-streamed: each
+    new concurrency level needs new burst threads), 8 streamed at once (their prefill and,
+    on the plain path, every step: a worker thread's call), then a request whose decode job
+    hangs on the (stepped) device past its deadline (its 504 leaves the sequence to a
+    background release, ``release_later``). Every thread started meanwhile was started by
+    another thread than the event loop's. Before stop 70 the loop started the burst threads
+    (``ThreadPoolExecutor.submit``), each release's thread and anyio's worker threads."""
+    executor = started_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig(max_sequences=16, **PATHS[path]))
+    service = app.state.service
+    try:
+        with recording_thread_starts() as starts, LiveServer(app) as server:
+            loop_thread = server.thread
+            for clients, stream in ((8, False), (16, False), (8, True)):
+                ready = threading.Barrier(clients, timeout=WAIT_S)
+                answers: list = []
+
+                def one(ready=ready, answers=answers, stream=stream):
+                    ready.wait()
+                    answers.append(httpx.post(f"{server.url}/v1/completions", timeout=WAIT_S,
+                                              json={"prompt": [5, 6, 7], "max_tokens": 8,
+                                                    "stream": stream}))
+                workers = [threading.Thread(target=one) for _ in range(clients)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join(WAIT_S)
+                assert [r.status_code for r in answers] == [200] * clients
+                tokens = [_stream_tokens(r) if stream else r.json()["choices"][0]["token_ids"]
+                          for r in answers]
+                assert tokens == [oracle_tokens([5, 6, 7], 8)] * clients
+            wait_for(lambda: server_idle(service), WAIT_S, "the server idle")
+            # a decode job held on the device past the request's deadline: its release waits
+            # for it in the background
+            assert emu.set_stepped(True) == 0
+            answered: list = []
+            client = threading.Thread(target=lambda: answered.append(httpx.post(
+                f"{server.url}/v1/completions", timeout=WAIT_S,
+                json={"prompt": [1, 2, 3], "max_tokens": 3, "timeout": 3.0})))
+            client.start()
+            wait_for(lambda: _busy(emu) is not None, WAIT_S, "the prefill on the device")
+            assert emu.step(_busy(emu), Stage.JOB)[0] == 0
+            wait_for(lambda: executor.snapshot()["inflight"] == 1 and _busy(emu) is not None,
+                     WAIT_S, "the decode job held on the device")
+            client.join(WAIT_S)
+            assert answered and answered[0].status_code == 504, answered
+            wait_for(lambda: service.releases_pending == 1, WAIT_S, "the background release")
+            assert emu.step(_busy(emu), Stage.JOB)[0] == 0  # the job ends: the id comes back
+            wait_for(lambda: server_idle(service), WAIT_S, "the id back after the job")
+            assert emu.set_stepped(False) == 0
+            by_loop = [started.name for starter, started in starts.starts
+                       if starter is loop_thread]
+            started = [started.name for _, started in starts.starts]
+        assert by_loop == [], by_loop
+        assert any(n.startswith("calexec-burst_") for n in started) == (path == "defaults")
+        assert any(n.startswith("calexec-worker_") for n in started), started
+        assert any(n.startswith("calexec-seq-release_") for n in started), started
+    finally:
+        emu.set_stepped(False)
+        executor.shutdown(5.0)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
-import concurrent.futures
 import contextlib
 import contextvars
 import hashlib
@@ -41,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 import attrs
@@ -63,8 +62,11 @@ from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usa
 from calexec.drivers.serving.resume import Resumer
 from calexec.drivers.serving.rows import RowPool
 from calexec.drivers.serving.sampling import GrammarSpec, RowConstraint
+from calexec.drivers.serving.threads import WorkerPool
 from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
+
+T = TypeVar("T")
 
 log = logging.getLogger("calexec.server")
 #: the ``reason`` of a model switch's record in ``executor.recoveries``
@@ -841,9 +843,10 @@ class CompletionService:
         # most ``max_sequences`` bursts hold a sequence at once, as the limiter allowed;
         # twice as many threads leave room for bursts a cancel gave up while their job
         # ends (the limiter freed their token at once). Threads start when needed and end
-        # with the service (the pool's own weak reference) or at the app's shutdown.
-        self._burst_threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2 * config.max_sequences, thread_name_prefix="calexec-burst")
+        # with the service (the pool's own weak reference) or at the app's shutdown. The
+        # pool's own keeper thread starts them: the loop never waits for a thread to start
+        # (``threads.WorkerPool``; stop 70).
+        self._burst_threads = WorkerPool(2 * config.max_sequences, "calexec-burst")
         self._drain_task: asyncio.Task | None = None
         #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
         #: cuts the ones still waiting when its grace is over
@@ -857,7 +860,18 @@ class CompletionService:
         self.stream_choices_waiting = 0
         self._bursts_waiting = 0  # (stream_bursts_waiting; burst threads, under the lock)
         self._bursts_waiting_mu = threading.Lock()
-        self._releasing: set[threading.Thread] = set()  # background sequence releases
+        # background sequence releases (``release_later``): one thread each while it waits
+        # for the run's last job, at most one per sequence id; started by the pool's keeper,
+        # never by the loop that asks for them
+        self._releases = WorkerPool(2 * config.max_sequences, "calexec-seq-release")
+        # the blocking calls of a request's steps (``_in_worker``: enqueue, waits, a sampled
+        # pick, a grammar's start, a prompt row) under the limiters above, as anyio's
+        # ``to_thread`` ran them until stop 70, which started its threads on the loop (and
+        # again after 10 s idle): twice the limiters' tokens leave room for calls a cancel
+        # gave up while they end (their token freed at once, as anyio's)
+        self._workers = WorkerPool(2 * (2 * config.worker_threads + config.max_sequences),
+                                   "calexec-worker")
+        self._releasing = 0  # asked for and not ended (``releases_pending``)
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
                                      config.metrics_names, self._cache_info,
@@ -952,7 +966,7 @@ class CompletionService:
     def releases_pending(self) -> int:
         """Sequence releases waiting in the background for a job to end."""
         with self._releasing_mu:
-            return len(self._releasing)
+            return self._releasing
 
     def live_job_counts(self) -> dict[str, int]:
         """JobChart state -> number of live jobs held by the server's requests."""
@@ -1125,8 +1139,8 @@ class CompletionService:
             return await self._failed(run, result, handle)
         if result.kv_len < len(run.prompt):  # a prompt position's row: the next prompt token's
             self._observe(run, result)
-            row = await to_thread.run_sync(_prompt_row, result.logits, run.prompt[run.past],
-                                           run.prompt_top or 0, limiter=self._limiter)
+            row = await self._in_worker(self._limiter, False, _prompt_row, result.logits,
+                                        run.prompt[run.past], run.prompt_top or 0)
             run.prompt_rows.append(row[0])
             run.prompt_ranks.append(row[1])
             return _PROMPT_ROW
@@ -1136,13 +1150,12 @@ class CompletionService:
         if run.constraint is None and run.sampling.grammar is not None:
             # (a worker thread's: a large grammar's matcher takes half a second to build,
             # which on the loop stalled every other client; llguidance lets the GIL go)
-            run.constraint = await to_thread.run_sync(_started, run.sampling.grammar,
-                                                      run.tokens, limiter=self._limiter)
+            run.constraint = await self._in_worker(self._limiter, False, _started,
+                                                   run.sampling.grammar, run.tokens)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
         try:
-            token, logprobs = await to_thread.run_sync(sampling.pick, *args,
-                                                       limiter=self._limiter)
+            token, logprobs = await self._in_worker(self._limiter, False, sampling.pick, *args)
         except sampling.NoTokenLeft as err:  # the request's own constraints: a 400
             run.status = Status.failure(NO_TOKEN_LEFT, Category.INVALID_REQUEST, Phase.VALIDATE,
                                         str(err), seq_id=run.seq_id)
@@ -1359,8 +1372,12 @@ class CompletionService:
         return steps, None
 
     def close_burst_threads(self) -> None:
-        """The app stopped: the idle burst threads end (a burst still running ends first)."""
-        self._burst_threads.shutdown(wait=False)
+        """The app stopped: the idle burst, release and worker threads end (one still running
+        ends first; a release asked for later runs in a thread of its own, a step's call in
+        anyio's)."""
+        self._burst_threads.shutdown()
+        self._releases.shutdown()
+        self._workers.shutdown()
 
     @staticmethod
     def _cut_burst(run: RequestRun) -> None:
@@ -1547,6 +1564,28 @@ class CompletionService:
         the path before this policy."""
         return self._device_waits.median()
 
+    async def _in_worker(self, limiter: anyio.CapacityLimiter, abandon_on_cancel: bool,
+                         fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread of ``_workers``, in a copy of the caller's context, once
+        ``limiter`` lends a token, as ``anyio.to_thread.run_sync(fn, *args, limiter=limiter,
+        abandon_on_cancel=abandon_on_cancel)`` ran it until stop 70 (anyio started its worker
+        threads on the event loop, ``Thread.start`` waiting for each to be scheduled): the
+        token is held until the call returns, or until the await is cancelled when
+        ``abandon_on_cancel`` (the call, if it started, runs on; one not started is
+        dropped), else the cancel waits for the call's end. Once the app stopped (the pool
+        takes no new work), anyio's thread."""
+        async with limiter:
+            context = contextvars.copy_context()
+            try:
+                future = self._workers.submit(context.run, fn, *args)
+            except RuntimeError:  # (the app stopped)
+                return await to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)
+            if abandon_on_cancel:
+                return await asyncio.wrap_future(future)
+            with anyio.CancelScope(shield=True):
+                result = await asyncio.wrap_future(future)
+            return result
+
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
@@ -1575,8 +1614,7 @@ class CompletionService:
                   if inline and streamed and run.decode is not None else None)
         try:
             if handle is None:  # may block (admission, arming): a worker thread's
-                handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
-                                                  limiter=limiter)
+                handle = await self._in_worker(limiter, True, enqueue, request)
         except anyio.get_cancelled_exc_class():
             # Flag first, then cancel the current handle: whichever of this and on_created
             # runs second sees the other's write, so the new job is always cancelled.
@@ -1596,11 +1634,10 @@ class CompletionService:
                 if inline and handle.done:
                     result = stream.wait()  # the step is resolved: returns at once
                 else:  # blocks, or cancels and closes past the deadline (may wait)
-                    result = await to_thread.run_sync(stream.wait, abandon_on_cancel=True,
-                                                      limiter=self._stream_limiter)
+                    result = await self._in_worker(self._stream_limiter, True, stream.wait)
             elif not inline:
-                result = await to_thread.run_sync(handle.wait_until, run.deadline,
-                                                  abandon_on_cancel=True, limiter=self._limiter)
+                result = await self._in_worker(self._limiter, True, handle.wait_until,
+                                               run.deadline)
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise
@@ -1725,12 +1762,17 @@ class CompletionService:
             self.active -= 1
 
     async def _release_shielded(self, run: RequestRun) -> bool:
-        """``_close_and_release(run)`` in a worker thread, run to its end even when the
+        """``_close_and_release(run)`` in a release thread, run to its end even when the
         request task is being cancelled: ``finish``'s one await, so its one cancel scope
         (until stop 65 the whole of ``finish`` was one: a scope every request entered, about
         4 us of the event loop's CPU, for the few with a decode stream to close)."""
         with anyio.CancelScope(shield=True):
-            released = await to_thread.run_sync(self._close_and_release, run)
+            try:  # a thread of ``_releases``: the loop starts none (stop 70)
+                future = self._releases.submit(self._close_and_release, run)
+            except RuntimeError:  # (the app stopped: the pool takes no new work)
+                released = await to_thread.run_sync(self._close_and_release, run)
+            else:
+                released = await asyncio.wrap_future(future)
         return released
 
     async def cut(self, run: RequestRun) -> None:
@@ -1777,12 +1819,23 @@ class CompletionService:
 
     def release_later(self, run: RequestRun) -> None:
         """Give ``run``'s sequence back from a background thread once its last job ended
-        (``release_when_done``)."""
-        thread = threading.Thread(target=self.release_when_done, args=(run,),
-                                  name=f"calexec-seq-release-{run.seq_id}", daemon=True)
+        (``release_when_done``): a thread of ``_releases``, whose keeper starts it (until stop
+        70 the caller started a thread of its own, and the event loop waited up to 0.25 s for
+        it to be scheduled on a CPU-starved host)."""
         with self._releasing_mu:
-            self._releasing.add(thread)
-        thread.start()
+            self._releasing += 1
+        try:
+            self._releases.submit(self._release_counted, run)
+        except RuntimeError:  # (the app stopped: the pool takes no new work) a thread of its own
+            threading.Thread(target=self._release_counted, args=(run,),
+                             name=f"calexec-seq-release-{run.seq_id}", daemon=True).start()
+
+    def _release_counted(self, run: RequestRun) -> None:
+        try:
+            self.release_when_done(run)
+        finally:
+            with self._releasing_mu:
+                self._releasing -= 1
 
     def _executor_final(self) -> bool:
         return self.executor.state in ("Stopped", "Failed")
@@ -1829,9 +1882,6 @@ class CompletionService:
         except Exception:
             log.exception("releasing sequence %d", seq_id)
             self.sequences.withhold(seq_id)
-        finally:
-            with self._releasing_mu:
-                self._releasing.discard(threading.current_thread())
 
     def _record_vllm(self, run: RequestRun) -> None:
         """A successful request's ``vllm:`` families (``ServerConfig.metrics_names``)."""

@@ -144,9 +144,9 @@ def chaos_executor(workdir: Path, inflight_capacity: int = 1) -> DeviceExecutor:
 #: where a thread waits for another: CPython's own waits (``Event.wait``, ``Condition.wait``,
 #: ``Thread.join``, a semaphore, a queue, a ``concurrent.futures`` result), by (file name,
 #: function): an event loop found in one is blocked on its own thread, not starved of CPU
-#: (``LoopLag``). Not the wait of ``Thread.start`` (anyio's new worker thread, the service's
-#: background release) for the new thread to run once: it waits for the host's scheduler,
-#: which is what the loop's lag excuses
+#: (``LoopLag``). Not the wait of ``Thread.start`` (anyio's new worker thread; until stop 70
+#: also a burst's and a background release's) for the new thread to run once: it waits for
+#: the host's scheduler, which is what the loop's lag excuses
 BLOCKING_WAITS = frozenset({
     ("threading.py", "wait"), ("threading.py", "join"), ("threading.py", "acquire"),
     ("threading.py", "_wait_for_tstate_lock"), ("queue.py", "get"), ("queue.py", "put"),
