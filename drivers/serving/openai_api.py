@@ -1856,7 +1856,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 return refused(bad)
             continue_from(resume, run, out, shape, admission.sse)
             wire.name_request(request.scope, shape.id)  # the id the first replica started
-        run.x_request_id = wire.request_id(request.scope)  # (its dump record names it)
+        run.x_request_id = wire.request_id(request.scope)  # (its dump record names it,
+        run.response_id = shape.id                         # and the body's id)
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
                       "prompt_tokens": len(run.prompt)})
@@ -2004,7 +2005,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                          params.min_tokens)
         shape.start(service, run, state.id)
         shape.created, shape.index = state.created, k
-        run.x_request_id = state.x_request_id
+        run.x_request_id, run.response_id = state.x_request_id, state.id
         state.shapes.append(shape)
         sse = admission.sse
         try:

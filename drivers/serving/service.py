@@ -477,6 +477,10 @@ class RequestRun:
     max_tokens_param: str = "max_tokens"
     #: the ``x-request-id`` its response carries (the route sets it; its dump record names it)
     x_request_id: str | None = None
+    #: its response body's ``id`` (``cmpl-``/``chatcmpl-``/``resp_``...: one for all the
+    #: choices of a request; the route sets it): its dump record names it, so two requests
+    #: that sent one ``X-Request-Id`` are told apart by what each client got
+    response_id: str | None = None
     #: a draining replica handed it to a sibling (drivers/serving/handoff.py): it ends with a
     #: ``status`` but is no failure (the sibling counts how it ends), counted in neither
     #: ``calexec_request_success_total`` nor ``_failures_total``
@@ -1919,6 +1923,7 @@ class CompletionService:
         if self.dump is not None:  # (queued: the sink's thread writes it, off the loop)
             self.dump.submit({
                 "request_id": run.request_id, "x_request_id": run.x_request_id,
+                "response_id": run.response_id,
                 "seq_id": run.seq_id, "stream": run.sse,
                 "prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
                 "finish_reason": run.finish_reason,
