@@ -9,6 +9,7 @@ import json
 import threading
 
 import httpx
+from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -71,5 +72,65 @@ def test_two_requests_sending_one_x_request_id_have_dump_records_told_apart(tmp_
         assert sorted(record["response_id"] for record in records) == sorted(
             ids + [got[2][2]]), records
     finally:
+        executor.shutdown(5.0)
+
+
+def test_a_request_whose_generation_a_switch_retired_is_not_told_replaced_by_none(
+        tmp_path, monkeypatch):
+    """``--max-resumes 0`` (or a request whose resumes were spent by earlier switches: 16
+    clients streaming through back-to-back ``POST /admin/reload`` met it): a job of the
+    request refused while a model switch had retired its generation and not yet opened
+    the next one answered 503 "the request's generation 1 was replaced by None (recovery
+    or model switch); retry", Python's None for the generation not open yet. It now says
+    the generation was retired and the next one is not open yet."""
+    from calexec.machines import device_lifecycle
+
+    executor = started_executor(tmp_path)
+    copy = tmp_path / "copy.calbin"
+    copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
+    real_open = device_lifecycle.open_generation
+    held, release = threading.Event(), threading.Event()
+
+    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
+        held.set()
+        release.wait(30.0)
+        return real_open(*args, **kwargs)
+
+    enqueue, calls, switches = executor.enqueue, [], []
+
+    def switching_enqueue(request, *args, **kwargs):
+        calls.append(request.past_len)
+        if len(calls) == 3:  # after two tokens: a switch retires the generation, then the job
+            monkeypatch.setattr(device_lifecycle, "open_generation", held_open)
+            switch = threading.Thread(target=lambda: switches.append(
+                executor.switch_model(str(copy))))
+            switch.start()
+            switches.append(switch)
+            assert held.wait(30.0), "the switch never retired the generation"
+            assert executor.generation is None
+        return enqueue(request, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "enqueue", switching_enqueue)
+    app = create_app(executor, ServerConfig(max_resumes=0, prearm=False, decode_bursts=False))
+    try:
+        with TestClient(app) as client:
+            try:
+                r = client.post("/v1/completions", json={"prompt": [3, 1, 4, 1, 5],
+                                                         "max_tokens": 6})
+            finally:
+                release.set()
+                if switches:
+                    switches[0].join(30.0)
+            assert r.status_code == 503, r.text
+            status = r.json()["status"]
+            assert status["code"] == "lifecycle.unavailable", status
+            assert "None" not in status["message"], status
+            assert status["message"] == ("the request's generation 1 was retired; the next "
+                                         "one is not open yet (recovery or model switch); "
+                                         "retry"), status
+            assert switches[1].ok, switches  # the switch itself went through
+            assert server_idle(app.state.service)
+    finally:
+        release.set()
         executor.shutdown(5.0)
 

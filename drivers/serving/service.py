@@ -1706,9 +1706,13 @@ class CompletionService:
             return None
         if (current is None and self.draining) or self.grace_over:  # the drain's grace ran
             return self._drained(run)                                # out: shut down
+        # (no generation now: the recovery or switch retired the request's and has not yet
+        # opened the next one; said so, not "replaced by None")
+        by = ("retired; the next one is not open yet" if current is None
+              else f"replaced by {current}")
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
-                                  f" was replaced by {current} (recovery or model switch); "
-                                  "retry", seq_id=run.seq_id)
+                                  f" was {by} (recovery or model switch); retry",
+                                  seq_id=run.seq_id)
 
     def _drained(self, run: RequestRun) -> Status:
         """UNAVAILABLE (retry): the drain's grace ran out before ``run`` finished and the
