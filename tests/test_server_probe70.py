@@ -134,3 +134,53 @@ def test_a_request_whose_generation_a_switch_retired_is_not_told_replaced_by_non
         release.set()
         executor.shutdown(5.0)
 
+
+def test_a_reload_while_a_switch_has_moved_the_lifecycle_names_the_switch(tmp_path, monkeypatch):
+    """A second ``POST /admin/reload`` while the first one's switch runs (two operators, a
+    retried call) is a 503 naming the switch under way, as docs/operations.md says: but
+    once the switch had moved the lifecycle (its drain, its teardown, the next generation's
+    configure and golden: most of a switch's time) the 503 said
+    ``reload refused, lifecycle unchanged: lifecycle is Draining, not admitting`` (or
+    ``Recovering``...), the health reasons the switch itself caused, naming a drain no one
+    started. It names the switch under way there too."""
+    from calexec.machines import device_lifecycle
+
+    executor = started_executor(tmp_path)
+    calbin = executor.config.calbin_path
+    real_open = device_lifecycle.open_generation
+    held, release = threading.Event(), threading.Event()
+
+    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
+        held.set()
+        release.wait(30.0)
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(device_lifecycle, "open_generation", held_open)
+    answers: list[httpx.Response] = []
+    auth = {"Authorization": "Bearer probe70-admin"}
+    try:
+        app = create_app(executor, ServerConfig(admin_token="probe70-admin"))
+        with LiveServer(app) as server:
+            first = threading.Thread(target=lambda: answers.append(httpx.post(
+                f"{server.url}/admin/reload", json={"calbin": calbin}, headers=auth,
+                timeout=60.0)))
+            first.start()
+            try:
+                assert held.wait(30.0), "the first reload's switch never retired the generation"
+                assert app.state.service.health(), "the switch gives no health reason"
+                r = httpx.post(f"{server.url}/admin/reload", json={"calbin": calbin},
+                               headers=auth, timeout=60.0)
+            finally:
+                release.set()
+                first.join(60.0)
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            error = r.json()["error"]
+            assert error["param"] == "calbin" and error["code"] == "lifecycle.unavailable"
+            assert error["message"] == (f"reload refused, lifecycle unchanged: a switch to "
+                                        f"calbin {json.dumps(calbin)} is under way; send it "
+                                        "again once that one answered"), error
+            assert len(answers) == 1 and answers[0].status_code == 200, answers
+            assert answers[0].json()["generation"] == 2, answers[0].text
+    finally:
+        release.set()
+        executor.shutdown(5.0)

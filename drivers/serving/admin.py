@@ -295,16 +295,18 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         # the lifecycle moves only when it can: not while draining, recovering or unhealthy
         if service.draining:
             return draining_refusal(retry)
-        reasons = service.health()
-        if reasons:
-            return error_response(Status.unavailable(
-                Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
-                "calbin", retry_after=retry)
+        # a switch under way is named before the health reasons its own drain and warm-up
+        # give ("lifecycle is Draining, not admitting": no drain the operator started)
         if switching:
             return error_response(Status.unavailable(
                 Phase.RECOVERY, "reload refused, lifecycle unchanged: a switch to calbin "
                 f"{shown(switching[0], 300)} is under way; send it again once that one "
                 "answered"), "calbin", retry_after=retry)
+        reasons = service.health()
+        if reasons:
+            return error_response(Status.unavailable(
+                Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
+                "calbin", retry_after=retry)
         switching.append(path)
         try:
             log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
