@@ -21,6 +21,8 @@ cannot pull buffers from under one.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Callable
 
 from calexec.contracts.codes import describe
@@ -111,11 +113,34 @@ class Generation:
         return f"Generation(id={self.id}, calbin={self.calbin_path!r})"
 
 
+def _load_may_wait(calbin_path: str) -> str | None:
+    """Why the runtime's loader, given ``calbin_path``, may wait for ever (a FIFO no one
+    writes to blocks its open; a character device such as ``/dev/zero`` never ends; a
+    socket), else None: the path is a regular file, a directory (the loader refuses it at
+    once), or ``stat`` says nothing (missing, unreadable: the loader answers that itself).
+    A start or switch given such a path (``DeviceExecutor.switch_model``: an embedder's
+    call, or a file replaced after ``POST /admin/reload``'s check) waited inside the loader,
+    the lifecycle in Configuring with the previous generation torn down: nothing served."""
+    try:
+        mode = os.stat(calbin_path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return (f"not a regular file (mode {stat.filemode(mode)}), whose read may never end; a "
+            "calbin is a regular file")
+
+
 def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, generation_id: int,
                     slots_per_kind: int, locks: LockOrder,
                     engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> Generation | Status:
     """Load, resolve (exact names, before configure), configure, create KV and pool."""
     ctx = {"generation": generation_id}
+    waits = _load_may_wait(calbin_path)
+    if waits is not None:
+        return Status.failure(CALBIN_LOAD_FAILED, Category.ARTIFACT, Phase.CONFIGURE,
+                              f"calbin load of {calbin_path!r} not attempted: {waits}",
+                              generation=generation_id)
     rc, calbin = device.load_calbin(calbin_path)
     if rc != 0:
         return calbin_load_failed(rc, calbin_path, generation_id)

@@ -6,6 +6,7 @@ loopback only; every wait bounded."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import httpx
@@ -184,3 +185,55 @@ def test_a_reload_while_a_switch_has_moved_the_lifecycle_names_the_switch(tmp_pa
     finally:
         release.set()
         executor.shutdown(5.0)
+
+
+def _bounded(call, fifo: str) -> list:
+    """``call()`` in a thread, waited for at most 30 s: what it returned (empty: still
+    running, then unblocked by opening ``fifo``'s writing end, so no thread is left behind)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(30.0)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the loader's open returns
+        thread.join(30.0)
+        return []
+    return out
+
+
+def test_a_switch_or_start_given_a_fifo_is_refused_not_held_in_the_loader(tmp_path):
+    """``DeviceExecutor.switch_model(FIFO)`` (an embedder's call, docs/embedding.md; or the
+    file behind a ``POST /admin/reload`` path replaced by a FIFO after the route's check)
+    drained, tore the serving generation down and then waited in the runtime's loader,
+    whose open of a FIFO no one writes to never returns: the lifecycle stayed Configuring,
+    nothing served, the call never answered. ``start()`` of an executor configured with one
+    waited the same way. The load is now refused before the loader is called (a FIFO, a
+    character device, a socket: not a regular file), so the switch rolls back and the
+    previous calbin serves again, and the start ends Failed, each saying why."""
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+    fifo = str(tmp_path / "model.calbin")
+    os.mkfifo(fifo)
+    executor = started_executor(tmp_path)
+    try:
+        answered = _bounded(lambda: executor.switch_model(fifo), fifo)
+        assert answered, "switch_model(FIFO) waited in the loader (unblocked by the test)"
+        status = answered[0]
+        assert status.code == "recovery.rolled_back", status
+        assert "not a regular file (mode prw" in status.message, status
+        assert executor.state == "Ready" and executor.gen is not None
+        assert executor.gen.calbin_path == executor.config.calbin_path
+    finally:
+        executor.shutdown(5.0)
+    fresh = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                           ExecutorConfig(calbin_path=fifo))
+    try:
+        started = _bounded(fresh.start, fifo)
+        assert started, "start() of a FIFO waited in the loader (unblocked by the test)"
+        assert started[0].code == "calrt.calbin_load_failed", started[0]
+        assert "not a regular file (mode prw" in started[0].message, started[0]
+        assert fresh.state == "Failed"
+    finally:
+        fresh.shutdown(5.0)
