@@ -10,11 +10,19 @@ import os
 import threading
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import LiveServer, server_idle, started_executor, wait_for
+from test_server_support import (
+    LiveServer,
+    admin_test_client,
+    executor_fixture,  # noqa: F401 - the fixture ``executor``
+    server_idle,
+    started_executor,
+    wait_for,
+)
 
 
 def test_two_requests_sending_one_x_request_id_have_dump_records_told_apart(tmp_path):
@@ -237,3 +245,85 @@ def test_a_switch_or_start_given_a_fifo_is_refused_not_held_in_the_loader(tmp_pa
         assert fresh.state == "Failed"
     finally:
         fresh.shutdown(5.0)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _json_schema_bodies(schema: object) -> list[tuple[str, dict, str]]:
+    """(route, body, param) of ``schema`` given as the json_schema of a chat, a completion,
+    a chat with tools beside it, and a Responses call."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return [
+        ("/v1/chat/completions", {**CHAT, "response_format": fmt},
+         "response_format.json_schema.schema"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 6, "response_format": fmt},
+         "response_format.json_schema.schema"),
+        ("/v1/chat/completions", {**CHAT, "response_format": fmt, "tools": [TOOL]},
+         "response_format.json_schema.schema"),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 16, "text": {"format": {
+            "type": "json_schema", "name": "x", "schema": schema}}}, "text.format.schema"),
+    ]
+
+
+@pytest.mark.parametrize("schema, written", [("x", '"x"'), ([], "[]"), (5, "5"),
+                                             (True, "true")])
+def test_a_json_schema_or_tool_parameters_that_is_no_object_is_named_as_sent(
+        client, schema, written):
+    """A ``response_format`` json_schema ``schema`` (or a Responses ``text.format.schema``)
+    that is no JSON object was refused ``...schema: must be a JSON Schema object, got str``
+    (``list``, ``int``, ``bool``): Python's type names, not the value sent; a tool's
+    ``parameters`` was refused without naming it at all. Each refusal now names the value as
+    JSON wrote it and what to send."""
+    for route, body, param in _json_schema_bodies(schema):
+        r = client.post(route, json=body)
+        assert r.status_code == 400, (route, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, (route, error)
+        assert error["message"] == (f"{param}={written}: must be a JSON Schema, a JSON object "
+                                    '(such as {"type": "object"})'), (route, error)
+    r = client.post("/v1/chat/completions", json={**CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools.0.function.parameters", error
+    assert error["message"] == (f"tools.0.function.parameters={written}: must be a JSON "
+                                'Schema, a JSON object (such as {"type": "object"}), or left '
+                                "out"), error
+
+
+def test_a_json_schema_given_as_null_is_its_default_as_when_left_out(client):
+    """``"schema": null`` in a json_schema ``response_format`` was a 400 ``must be a JSON
+    Schema object, got NoneType``, though docs/server.md says ``null`` for an optional field
+    means its default, the SDK types ``schema`` as optional, and a json_schema without it is
+    served (any JSON value), as a tool's ``parameters: null`` is. It is now served as when
+    left out: the answer is one JSON value, the same with null as without."""
+    for (route, with_null, _), (_, without, _) in zip(
+            _json_schema_bodies(None), _json_schema_bodies({}), strict=True):
+        spec = (without.get("response_format") or without["text"]["format"])
+        spec = spec.get("json_schema", spec)
+        spec.pop("schema", None)  # (the first three bodies share one dict)
+        answers = []
+        for body in (with_null, without):
+            r = client.post(route, json=body)
+            assert r.status_code == 200, (route, r.text)
+            answers.append(r.json())
+        texts = [_text(route, answer) for answer in answers]
+        assert texts[0] == texts[1], (route, texts)
+        if answers[0].get("choices", [{}])[0].get("finish_reason") == "stop":
+            json.loads(texts[0])  # a whole JSON value
+
+
+def _text(route: str, answer: dict) -> str:
+    if route == "/v1/responses":
+        return "".join(part["text"] for item in answer["output"] if item["type"] == "message"
+                       for part in item["content"])
+    choice = answer["choices"][0]
+    return choice["text"] if route == "/v1/completions" else choice["message"]["content"]
+
+
+@pytest.fixture
+def client(executor):
+    with admin_test_client(executor, "probe70-admin") as client:
+        yield client

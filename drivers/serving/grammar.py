@@ -1265,8 +1265,8 @@ def _checked_schema_grammar(schema: Any, param: str, strict: bool) -> str:
     llguidance would not apply), or the :class:`GrammarError` naming ``param``."""
     from llguidance import LLMatcher
     if not isinstance(schema, dict):
-        raise GrammarError(param, f"{param}: must be a JSON Schema object, got "
-                                  f"{type(schema).__name__}")
+        raise GrammarError(param, f"{param}={shown(schema, 80)}: must be a JSON Schema, a "
+                                  "JSON object (such as {\"type\": \"object\"})")
     _integer_bounds(schema, param)
     _finite(schema, param)
     try:
@@ -1588,7 +1588,9 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
         raise GrammarError("response_format.json_schema.strict",
                            f"response_format.json_schema.strict={shown(strict, 40)}: must be a "
                            "boolean")
-    schema = spec.get("schema", {})
+    schema = spec.get("schema")
+    if schema is None:  # absent, or null (an optional field's default): any JSON value
+        schema = {}
     return closed_schema(schema), bool(strict)
 
 
@@ -1661,7 +1663,9 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
             params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise GrammarError(f"{where}.function.parameters",
-                               f"{where}.function.parameters: must be a JSON Schema object")
+                               f"{where}.function.parameters={shown(params, 80)}: must be a "
+                               "JSON Schema, a JSON object (such as {\"type\": \"object\"}), "
+                               "or left out")
         if "type" not in params:  # the arguments are an object whatever the schema leaves open
             params = {**params, "type": "object"}
         description = fn.get("description")
@@ -1802,8 +1806,9 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
             schema, strict = asked
             if not isinstance(schema, dict):
                 raise GrammarError("response_format.json_schema.schema",
-                                   "response_format.json_schema.schema: must be a JSON Schema "
-                                   "object")
+                                   f"response_format.json_schema.schema={shown(schema, 80)}: "
+                                   "must be a JSON Schema, a JSON object (such as "
+                                   "{\"type\": \"object\"})")
             param = ("response_format.json_schema.schema"
                      if response_format["type"] == "json_schema" else "response_format")
             # checked on its own, as without tools (it is written into the grammar below)
