@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 
 import httpx
@@ -327,3 +328,64 @@ def _text(route: str, answer: dict) -> str:
 def client(executor):
     with admin_test_client(executor, "probe70-admin") as client:
         yield client
+
+
+def _several_choices_stream(url: str, request_id: str, n: int) -> tuple[threading.Thread,
+                                                                       threading.Event]:
+    """A streamed chat of ``n`` choices (1000 tokens each) from a worker thread, sent with
+    ``X-Request-Id: request_id``: (thread, its first event seen)."""
+    first = threading.Event()
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                              headers={"X-Request-Id": request_id},
+                              json={"messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 1000, "n": n, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    first.set()
+        except httpx.HTTPError:
+            pass  # cut
+        finally:
+            first.set()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    return worker, first
+
+
+@pytest.mark.parametrize("forced", [False, True], ids=["grace_over", "second_signal"])
+def test_a_cut_counts_a_request_of_several_choices_once(tmp_path, forced):
+    """``calexec serve`` draining with a request of 3 choices (``n`` 3) and one of 1 still
+    streaming: the WARNING line said ``drain: grace 0.5s over, 4 request(s) still running are
+    cut (x-request-id: multi-1, single-2)``, four "requests" beside two ids, the count of
+    choices (a second signal's ``forced exit, 4 request(s) cut`` and the exit line the same),
+    though docs/server.md names a request of several choices once. Both count requests."""
+    from test_ops_sweep import killed, serve_process, stopped
+
+    proc, url = serve_process(tmp_path, "--grace", "30" if forced else "0.5",
+                              "--device-config", "decode_us=20000")
+    try:
+        workers = []
+        for request_id, n in (("multi-1", 3), ("single-2", 1)):  # admitted in this order
+            worker, first = _several_choices_stream(url, request_id, n)
+            assert first.wait(10)
+            workers.append(worker)
+        proc.send_signal(signal.SIGTERM)
+        if forced:
+            wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
+                     what="/ready to report draining")
+            proc.send_signal(signal.SIGINT)
+        code, err = stopped(proc)
+        for worker in workers:
+            worker.join(10)
+    finally:
+        killed(proc)
+    if forced:
+        assert code == 3, err
+        assert ("signal SIGINT again: forced exit, 2 request(s) cut "
+                "(x-request-id: multi-1, single-2)") in err, err
+        assert "forced exit by a second signal: 2 request(s) still running" in err, err
+    else:
+        assert code == 0, err
+        assert ("drain: grace 0.5s over, 2 request(s) still running are cut "
+                "(x-request-id: multi-1, single-2)") in err, err

@@ -1096,7 +1096,7 @@ class DrainingServer(uvicorn.Server):
         name = signal.Signals(sig).name
         if self.signalled or self._loop is None:
             if not self.force_exit:  # the requests this forced exit cuts (``cut``)
-                self.cut = self.service.active
+                self.cut = self.service.running_requests()  # (n choices: one request)
                 log.warning("signal %s again: forced exit, %d request(s) cut%s", name, self.cut,
                             self.service.running_ids())
                 logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)

@@ -1802,6 +1802,13 @@ class CompletionService:
         """The requests in progress now (a copy: for diagnostics)."""
         return list(self._live.values())
 
+    def running_requests(self) -> int:
+        """How many requests are in progress now, a request of several choices (``n`` > 1, a
+        prompt list) once, as :meth:`running_ids` names it once (``active`` counts its
+        choices): the count of a log line that cuts them (a drain's end, a forced exit)."""
+        return len({run.response_id if run.response_id is not None else run.request_id
+                    for run in list(self._live.values())})
+
     def running_ids(self, limit: int = CUT_IDS_LOGGED) -> str:
         """The ``x-request-id`` s of the requests in progress, for a log line that cuts them:
         ``" (x-request-id: a, b and 3 more)"`` (the first ``limit`` distinct ids, in the
@@ -2002,7 +2009,7 @@ class CompletionService:
                         else "no admitted request was left running, and it stopped waiting,")
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut%s", grace,
-                        self.active, self.running_ids())
+                        self.running_requests(), self.running_ids())
             # the grace is over: a response still sending to a client that stopped reading
             # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
             # it holds comes back (BoundedStreamingResponse, ``cut``)
