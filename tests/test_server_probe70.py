@@ -389,3 +389,65 @@ def test_a_cut_counts_a_request_of_several_choices_once(tmp_path, forced):
         assert code == 0, err
         assert ("drain: grace 0.5s over, 2 request(s) still running are cut "
                 "(x-request-id: multi-1, single-2)") in err, err
+
+
+def test_a_request_a_switch_ended_as_a_drain_began_is_not_told_the_grace_ran_out(
+        tmp_path, monkeypatch):
+    """``POST /admin/drain?grace=30`` sent while a model switch had retired the serving
+    generation (a drain racing a reload), with a request whose next job the switch refused
+    and no resume left (``--max-resumes 0``): it was answered 503 ``server drained: its grace
+    (30 s) ran out before the request finished; retry`` within a second of the drain's start,
+    the grace far from over (any generation missing while draining was taken for the drain's
+    own shutdown). It is told the generation was retired, as without the drain; the drain's
+    message stays for a grace that ran out."""
+    from calexec.machines import device_lifecycle
+
+    executor = started_executor(tmp_path)
+    copy = tmp_path / "copy.calbin"
+    copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
+    real_open = device_lifecycle.open_generation
+    held, release = threading.Event(), threading.Event()
+
+    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
+        held.set()
+        release.wait(30.0)
+        return real_open(*args, **kwargs)
+
+    app = create_app(executor, ServerConfig(max_resumes=0, prearm=False, decode_bursts=False,
+                                            admin_token="probe70-admin"))
+    enqueue, calls, threads, drains = executor.enqueue, [], [], []
+
+    def switching_enqueue(request, *args, **kwargs):
+        calls.append(request.past_len)
+        if len(calls) == 3:  # after two tokens: a switch retires the generation, a drain begins
+            monkeypatch.setattr(device_lifecycle, "open_generation", held_open)
+            threads.append(threading.Thread(target=lambda: executor.switch_model(str(copy))))
+            threads[-1].start()
+            assert held.wait(30.0), "the switch never retired the generation"
+            drain = threading.Thread(target=lambda: drains.append(client.post(
+                "/admin/drain?grace=30", headers={"Authorization": "Bearer probe70-admin"})))
+            drain.start()
+            drain.join(30.0)
+            release.set()
+        return enqueue(request, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "enqueue", switching_enqueue)
+    try:
+        with TestClient(app) as client:
+            try:
+                r = client.post("/v1/completions", json={"prompt": [3, 1, 4, 1, 5],
+                                                         "max_tokens": 6})
+            finally:
+                release.set()
+                for thread in threads:
+                    thread.join(30.0)
+            assert len(drains) == 1 and drains[0].status_code == 202, drains
+            assert drains[0].json()["grace"] == 30.0
+            assert r.status_code == 503, r.text
+            message = r.json()["status"]["message"]
+            assert "grace" not in message, message
+            assert message == ("the request's generation 1 was retired; the next one is not "
+                               "open yet (recovery or model switch); retry"), message
+    finally:
+        release.set()
+        executor.shutdown(5.0)

@@ -1704,8 +1704,12 @@ class CompletionService:
         current = None if contracts is None else contracts.generation_id
         if current == run.generation_id:
             return None
-        if (current is None and self.draining) or self.grace_over:  # the drain's grace ran
-            return self._drained(run)                                # out: shut down
+        # the drain's grace ran out (the executor is shut down after it), or the lifecycle
+        # ended while draining: the drain ended it. Not a switch or a recovery that retired
+        # the generation while a drain had just begun (its grace running): that is told as
+        # below (it said the grace had run out)
+        if self.grace_over or (current is None and self.draining and self._executor_final()):
+            return self._drained(run)
         # (no generation now: the recovery or switch retired the request's and has not yet
         # opened the next one; said so, not "replaced by None")
         by = ("retired; the next one is not open yet" if current is None
