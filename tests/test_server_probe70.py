@@ -427,8 +427,7 @@ def test_a_request_a_switch_ended_as_a_drain_began_is_not_told_the_grace_ran_out
             drain = threading.Thread(target=lambda: drains.append(client.post(
                 "/admin/drain?grace=30", headers={"Authorization": "Bearer probe70-admin"})))
             drain.start()
-            drain.join(30.0)
-            release.set()
+            drain.join(30.0)  # (the switch is released once the request answered)
         return enqueue(request, *args, **kwargs)
 
     monkeypatch.setattr(executor, "enqueue", switching_enqueue)
