@@ -14,8 +14,10 @@ hung job. Events and barriers with deadlines; no timing thresholds."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
+import logging
 import threading
 import weakref
 
@@ -116,6 +118,56 @@ def test_a_collected_pool_ends_its_threads():
     assert ref() is None
     wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("t-dropped")],
              WAIT_S, "the dropped pool's threads to end")
+
+
+def test_a_worker_the_host_refuses_to_start_is_asked_for_again(monkeypatch, caplog):
+    """The host refuses the pool's first worker (``RuntimeError: can't start new thread``: a
+    thread limit, a container's ``pids.max``): the keeper logs it and starts another, and
+    the queued call runs. Until stop 70's review the keeper took every refusal for the
+    interpreter's end and returned: the pool never started a worker again, and the call (a
+    request's shielded step: its deadline could not end it) waited forever, unlogged."""
+    real = threading.Thread.start
+    refused: list[str] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "t-refused_0":
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        real(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    caplog.set_level(logging.WARNING, logger="calexec.server")
+    pool = WorkerPool(1, "t-refused")
+    try:
+        assert pool.submit(lambda: "ran").result(WAIT_S) == "ran"
+        assert pool.workers == 1
+    finally:
+        pool.shutdown()
+    assert refused == ["t-refused_0"]
+    assert ("t-refused: cannot start a worker thread (can't start new thread; 0 running)"
+            in caplog.text), caplog.text
+    assert "t-refused: worker threads start again" in caplog.text, caplog.text
+
+
+def test_a_call_raising_stop_iteration_fails_the_awaiting_loop_with_a_runtime_error():
+    """The server awaits the pool's futures on its event loop (``asyncio.wrap_future``:
+    ``_in_worker``, ``_release_shielded``), and an asyncio future refuses ``StopIteration``
+    (``TypeError`` in the loop's callback, the awaiting future never done): a call that
+    raised it left its request waiting forever (shielded: not even its deadline ended it)
+    with its limiter token. Now a ``RuntimeError`` from it, as anyio's ``to_thread``
+    answered before stop 70."""
+    pool = WorkerPool(1, "t-pool")
+
+    async def awaited() -> object:
+        return await asyncio.wait_for(asyncio.wrap_future(pool.submit(next, iter(()))),
+                                      WAIT_S)
+    try:
+        with pytest.raises(RuntimeError, match="a t-pool call raised StopIteration") as err:
+            asyncio.run(awaited())
+        assert isinstance(err.value.__cause__, StopIteration)
+        assert pool.submit(sum, [1, 2]).result(WAIT_S) == 3  # the worker still serves
+    finally:
+        pool.shutdown()
 
 
 def test_bad_sizes_are_refused_naming_the_value():

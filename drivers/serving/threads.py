@@ -15,13 +15,23 @@ the submitter's thread.
 The threads hold the pool's shared state, not the pool: when the :class:`WorkerPool` is
 collected without :meth:`WorkerPool.shutdown` (an app dropped by a test), its threads end as a
 ``ThreadPoolExecutor``'s do.
+
+A worker the host refuses to start (``RuntimeError: can't start new thread``: a thread or
+memory limit, a container's ``pids.max``) is logged and asked for again, after a back-off
+of up to :data:`RESTART_MAX_S`, while the interpreter is not ending: the calls queued for it
+run once one starts (a ``ThreadPoolExecutor``'s submit raised it to its caller; the pool's
+calls have no caller left to raise to). A call that raises ``StopIteration`` fails its future
+with a ``RuntimeError`` from it, as anyio's ``to_thread`` answered: an asyncio future refuses
+``StopIteration``, and a loop awaiting ``asyncio.wrap_future`` would wait forever.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -30,6 +40,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _STOP = object()  # (a worker's queue item: end)
+#: the longest wait (s) before the keeper asks the host again for a worker it refused
+RESTART_MAX_S = 1.0
+_RESTART_FIRST_S = 0.01
+
+log = logging.getLogger("calexec.server")
 
 
 class _Shared:
@@ -87,7 +102,10 @@ class _Shared:
             self.work.put(_STOP)
 
     def keep(self) -> None:
-        """(The keeper thread.) Start the workers asked for, until the pool is closed."""
+        """(The keeper thread.) Start the workers asked for, until the pool is closed. One the
+        host refuses is asked for again after a back-off (module doc), unless the interpreter
+        is ending."""
+        backoff = 0.0  # (s; 0: the last start succeeded)
         while True:
             with self.mu:
                 while self.to_start == 0 and not self.closed:
@@ -101,10 +119,26 @@ class _Shared:
                                       daemon=True)
             try:
                 thread.start()
-            except RuntimeError:  # (no thread can be started: the interpreter is ending)
+            except RuntimeError as exc:  # (the host's limit, or the interpreter is ending)
                 with self.mu:
                     self.workers -= 1
-                return
+                    if sys.is_finalizing():
+                        return
+                    # still wanted: the calls counted for it wait in the queue (a closed
+                    # pool's too: they run before the stops)
+                    self.to_start += 1
+                    running = self.workers
+                if backoff == 0.0:
+                    log.warning("%s: cannot start a worker thread (%s; %d running); asking "
+                                "again every %g s at most meanwhile", self.name, exc,
+                                running, RESTART_MAX_S)
+                backoff = min(RESTART_MAX_S, max(_RESTART_FIRST_S, 2 * backoff))
+                with self.mu:
+                    self.keeper_cv.wait(backoff)
+                continue
+            if backoff:
+                log.warning("%s: worker threads start again", self.name)
+                backoff = 0.0
 
     def serve(self) -> None:
         """(A worker.) Run queued calls until told to stop."""
@@ -121,6 +155,11 @@ class _Shared:
                 continue
             try:
                 result = fn(*args)
+            except StopIteration as exc:  # (an asyncio future refuses it: module doc)
+                error = RuntimeError(f"a {self.name} call raised StopIteration")
+                error.__cause__ = exc
+                future.set_exception(error)
+                del error  # (nor its traceback while idle)
             except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
                 future.set_exception(exc)
             else:
