@@ -15,6 +15,7 @@ hung job. Events and barriers with deadlines; no timing thresholds."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import json
 import logging
@@ -27,6 +28,8 @@ import pytest
 from calexec.drivers.calrt.runtime import Stage
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.threads import WorkerPool
+from calexec.drivers.tools.interleave import explore_threads
+from calexec.machines.clock import Clock
 from test_server_support import LiveServer, oracle_tokens, server_idle, started_executor, wait_for
 from thread_starts import recording_thread_starts
 
@@ -168,6 +171,54 @@ def test_a_call_raising_stop_iteration_fails_the_awaiting_loop_with_a_runtime_er
         assert pool.submit(sum, [1, 2]).result(WAIT_S) == 3  # the worker still serves
     finally:
         pool.shutdown()
+
+
+def _bounded(pool_holder: list[WorkerPool]):
+    def invariant() -> bool | str:
+        return (not pool_holder or pool_holder[0].workers <= 2
+                or f"{pool_holder[0].workers} workers counted, max_workers=2")
+    return invariant
+
+
+def test_every_call_runs_once_on_at_most_max_workers_under_any_schedule():
+    """Under the explorer: four submitters of two calls each on a pool of two, shut down
+    once they are done; every schedule runs each call once, counts at most two workers at
+    every scheduling point, and ends every thread (a lost wake-up, a call queued with no
+    worker to run it, or a worker missing its stop, is a deadlock or a final-check failure)."""
+    holder: list[WorkerPool] = []
+
+    def scenario(clock: Clock):
+        holder.clear()
+        pool = WorkerPool(2, "t-many", clock=clock)
+        holder.append(pool)
+        futures: list[tuple[int, concurrent.futures.Future[int]]] = []
+        gate = clock.semaphore(0)
+
+        def submitter(first: int) -> None:
+            for n in (first, first + 1):
+                futures.append((n, pool.submit(lambda n=n: n + 1)))
+            gate.release()
+
+        def closer() -> None:
+            for _ in range(4):
+                gate.acquire()
+            pool.shutdown()
+
+        for first in (0, 10, 20, 30):
+            clock.start_thread(submitter, f"submitter-{first}", (first,))
+        clock.start_thread(closer, "closer")
+
+        def final() -> bool | str:
+            assert len(futures) == 8
+            left = sorted(n for n, future in futures if not future.done())
+            if left:
+                return f"calls never run: {left}"
+            assert all(future.result() == n + 1 for n, future in futures)
+            return pool.workers == 0 or f"{pool.workers} workers counted after the shutdown"
+        return final
+
+    found = explore_threads(scenario, seeds=range(150), invariant=_bounded(holder))
+    assert found.failure is None, found.failure.message
 
 
 def test_bad_sizes_are_refused_naming_the_value():

@@ -23,6 +23,10 @@ run once one starts (a ``ThreadPoolExecutor``'s submit raised it to its caller; 
 calls have no caller left to raise to). A call that raises ``StopIteration`` fails its future
 with a ``RuntimeError`` from it, as anyio's ``to_thread`` answered: an asyncio future refuses
 ``StopIteration``, and a loop awaiting ``asyncio.wrap_future`` would wait forever.
+
+Its lock, condition, queue and threads come from a :class:`~calexec.machines.clock.Clock`
+(the system's by default), so the interleaving explorer (``drivers/tools/interleave.py``)
+can run it under its scheduler (``tests/test_worker_pool.py``).
 """
 
 from __future__ import annotations
@@ -30,12 +34,13 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import queue
 import sys
-import threading
 import weakref
 from collections.abc import Callable
+from queue import Queue
 from typing import Any, TypeVar
+
+from calexec.machines.clock import SYSTEM, Clock
 
 T = TypeVar("T")
 
@@ -52,12 +57,13 @@ class _Shared:
     there are, are idle and unclaimed (``free``), are being started, and how many queued calls
     no idle worker was counted for (``backlog``)."""
 
-    def __init__(self, max_workers: int, name: str) -> None:
+    def __init__(self, max_workers: int, name: str, clock: Clock) -> None:
         self.max_workers = max_workers
         self.name = name
-        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.mu = threading.Lock()
-        self.keeper_cv = threading.Condition(self.mu)
+        self.clock = clock
+        self.work: Queue[Any] = clock.queue()
+        self.mu = clock.lock()
+        self.keeper_cv = clock.condition(self.mu, "keeper")
         self.workers = 0  # started (or starting) and not ended
         self.to_start = 0  # asked of the keeper, not started yet
         self.free = 0  # idle workers no queued call was counted against
@@ -115,10 +121,8 @@ class _Shared:
                 self.to_start -= 1
                 self.workers += 1
                 number = next(self.numbers)
-            thread = threading.Thread(target=self.serve, name=f"{self.name}_{number}",
-                                      daemon=True)
             try:
-                thread.start()
+                self.clock.start_thread(self.serve, f"{self.name}_{number}")
             except RuntimeError as exc:  # (the host's limit, or the interpreter is ending)
                 with self.mu:
                     self.workers -= 1
@@ -170,15 +174,14 @@ class _Shared:
 class WorkerPool:
     """Up to ``max_workers`` daemon threads named ``{name}_N`` that run submitted calls; a
     submit never starts a thread (module doc). ``shutdown`` is final: later submits raise
-    ``RuntimeError`` as a shut-down ``ThreadPoolExecutor``'s do."""
+    ``RuntimeError`` as a shut-down ``ThreadPoolExecutor``'s do. ``clock``: where its
+    threads and their lock come from (module doc)."""
 
-    def __init__(self, max_workers: int, name: str) -> None:
+    def __init__(self, max_workers: int, name: str, clock: Clock = SYSTEM) -> None:
         if max_workers < 1:
             raise ValueError(f"WorkerPool max_workers must be >= 1, got {max_workers}")
-        self._shared = _Shared(max_workers, name)
-        self._keeper = threading.Thread(target=self._shared.keep, name=f"{name}-keeper",
-                                        daemon=True)
-        self._keeper.start()
+        self._shared = _Shared(max_workers, name, clock)
+        self._keeper = clock.start_thread(self._shared.keep, f"{name}-keeper")
         weakref.finalize(self, self._shared.close)
 
     def submit(self, fn: Callable[..., T], /, *args: Any) -> concurrent.futures.Future[T]:
