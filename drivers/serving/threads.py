@@ -185,14 +185,17 @@ class WorkerPool:
         weakref.finalize(self, self._shared.close)
 
     def submit(self, fn: Callable[..., T], /, *args: Any) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args)``; its future. Never blocks beyond a lock held for counting."""
+        """Queue ``fn(*args)``; its future. Never blocks beyond a lock held for counting and
+        queuing (the queue is unbounded)."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         shared = self._shared
         with shared.mu:
             if shared.closed:
                 raise RuntimeError(f"cannot schedule new calls after {shared.name}'s shutdown")
             shared.claim()
-        shared.work.put((future, fn, args))
+            # queued under the lock: a shutdown between the count and the put would queue
+            # every worker's stop ahead of the call, and no worker would be left to run it
+            shared.work.put((future, fn, args))
         return future
 
     def shutdown(self) -> None:
