@@ -220,6 +220,7 @@ class _CountingClock(Clock):
 
     def __init__(self, inner: Clock, prefix: str) -> None:
         self.inner, self.prefix = inner, prefix
+        self.real = inner.real  # (the explorer's: not the host's; its queue, not a C one)
         self.running = self.most = 0
 
     def lock(self):
