@@ -30,6 +30,7 @@ from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.serving.threads import WorkerPool
 from calexec.drivers.tools.interleave import explore_threads
 from calexec.machines.clock import Clock
+from calexec.machines.executor import DeviceExecutor
 from test_server_support import LiveServer, oracle_tokens, server_idle, started_executor, wait_for
 from thread_starts import recording_thread_starts
 
@@ -393,4 +394,42 @@ def test_the_event_loop_starts_no_thread_for_bursts_steps_closes_or_releases(tmp
         assert any(n.startswith("calexec-seq-release_") for n in started), started
     finally:
         emu.set_stepped(False)
+        executor.shutdown(5.0)
+
+
+class _RaisingExecutor(DeviceExecutor):
+    """Its ``enqueue`` raises ``StopIteration`` once ``raising`` is set (a bug of a library
+    user's executor, or of one the server calls in a worker thread)."""
+
+    raising = False
+
+    def enqueue(self, request, logits_out=None, on_created=None):
+        if self.raising:
+            raise StopIteration("the executor's bug")
+        return super().enqueue(request, logits_out, on_created)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_step_raising_stop_iteration_is_a_500_not_a_wait_for_the_deadline(tmp_path, path):
+    """A request whose step's call raises ``StopIteration`` in a thread (its enqueue, here)
+    is answered at once with the 500 of an unexpected error, as any other exception and as
+    anyio's ``to_thread`` answered it. Since stop 70 the step's thread answered through an
+    asyncio future (``_in_worker``; a burst's ``_settle_answer`` since stop 69), which refuses
+    ``StopIteration``: the answer never came, and the request waited for its deadline (a
+    504), or for ever where the wait was shielded (a sampled pick, a grammar's start)."""
+    executor = started_executor(tmp_path, executor_class=_RaisingExecutor)
+    app = create_app(executor, ServerConfig(max_sequences=4, **PATHS[path]))
+    try:
+        with LiveServer(app) as server:
+            executor.raising = True
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=WAIT_S,
+                                json={"prompt": [5, 6, 7], "max_tokens": 4, "timeout": 4.0})
+            executor.raising = False
+            assert answer.status_code == 500, answer.text
+            assert answer.json()["error"]["code"] == "server.unexpected_error", answer.text
+            ok = httpx.post(f"{server.url}/v1/completions", timeout=WAIT_S,
+                            json={"prompt": [5, 6, 7], "max_tokens": 4})
+            assert ok.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4)
+            wait_for(lambda: server_idle(app.state.service), WAIT_S, "the server idle")
+    finally:
         executor.shutdown(5.0)

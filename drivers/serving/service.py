@@ -764,9 +764,16 @@ def _answer_threadsafe(loop: asyncio.AbstractEventLoop, answer: asyncio.Future[A
 
 def _settle_answer(answer: asyncio.Future[Any], outcome: object,
                    exc: BaseException | None) -> None:
-    """(On its loop.) ``answer`` done, unless it already is (cancelled with its waiter)."""
+    """(On its loop.) ``answer`` done, unless it already is (cancelled with its waiter). A
+    ``StopIteration`` is answered as a ``RuntimeError`` from it, as anyio's ``to_thread`` and
+    ``threads.WorkerPool`` answer it: an asyncio future refuses it (``TypeError`` in this
+    callback, and the waiter never woke)."""
     if answer.done():
         return
+    if isinstance(exc, StopIteration):
+        error = RuntimeError("a decode burst raised StopIteration")
+        error.__cause__ = exc
+        exc = error
     if exc is not None:
         answer.set_exception(exc)
     else:
