@@ -114,13 +114,23 @@ def require_extra(extra: str, what: str) -> None:
         raise UserError(f"{what} needs the optional [{extra}] extra: {command}")
 
 
+def default_unshown(default: Any) -> bool:
+    """Whether a flag's ``default`` says nothing worth printing in its help: None, a switch's
+    False, '' or argparse's SUPPRESS. A numeric 0 is a default like any other: compared with
+    ``in (None, False, ...)`` it equals False, so ``demo --decode-us`` (0) and every
+    ``--seed`` (0) printed no default at all."""
+    return (default is None or default is False or default is argparse.SUPPRESS
+            or (isinstance(default, str) and default == ""))
+
+
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Help text with each flag's default appended, unless it is None/False or already said."""
+    """Help text with each flag's default appended, unless :func:`default_unshown` or it is
+    already said."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if ("%(default)" not in text and "(default" not in text and action.option_strings
-                and action.default not in (None, False, argparse.SUPPRESS, "")):
+                and not default_unshown(action.default)):
             text += " (default: %(default)s)"
         return text
 
@@ -165,11 +175,26 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        #: (flag, holds, why): ``flag`` given while ``holds(args)`` is false is refused
+        self._only_with: list[tuple[str, Callable[[argparse.Namespace], bool], str]] = []
+        #: the dests of the flags the command line gave, this parse (:meth:`_get_values`)
+        self._given_dests: set[str] = set()
+
+    def only_with(self, flag: str, holds: Callable[[argparse.Namespace], bool],
+                  why: str) -> None:
+        """Refuse ``flag`` given on the command line (any value, its default too) when
+        ``holds`` of the parsed arguments is false: a usage error, ``argument FLAG: WHY``,
+        exit 2, before the command runs. For a flag that does nothing without another
+        (``serve --dump-prompts`` without ``--dump-dir``) or against another (``bench
+        overhead --relay-work-us`` with ``--no-relay-floor``): taken and ignored, the
+        operator believed it applied."""
+        self._only_with.append((flag, holds, why))
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if namespace is not None:  # a caller's namespace: argparse's own rules
             return super().parse_known_args(args, namespace)
         given = _Given()
+        self._given_dests = set()
         # the defaults, set before the check is armed (argparse sets only the missing ones)
         for action in self._actions:
             if action.dest is not argparse.SUPPRESS and action.default is not argparse.SUPPRESS:
@@ -196,9 +221,16 @@ class Parser(argparse.ArgumentParser):
                                  f"{warning.translate(_CONTROL_ESCAPES)}\n")
         result = argparse.Namespace(**{k: v for k, v in vars(given).items()
                                         if k not in ("given_", "armed_")})
+        for flag, holds, why in self._only_with:
+            # (not ``given_``: argparse sets a string default again, converted by its type,
+            # after the command line, as if it had been given)
+            if self._option_string_actions[flag].dest in self._given_dests and not holds(result):
+                self.error(f"argument {flag}: {why}")
         return result, extras
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.option_strings:  # (called for each flag the command line gives, only)
+            self._given_dests.add(action.dest)
         # `--iters=--`: Python 3.11's argparse drops the '--' as the end of options and hands
         # the action an empty list, past its type (an internal error, exit 70, when the command
         # compared it); the value given is the word '--', checked as any other value
@@ -211,7 +243,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
-            for word in message.split(":", 1)[1].split():
+            words = message.split(":", 1)[1].split()
+            after = words[words.index("--") + 1:] if "--" in words else []
+            flag = next((w.split("=")[0] for w in after
+                         if w.split("=")[0] in self._option_string_actions), None)
+            if flag is not None:  # (was "abbreviations are not taken: did you mean" it)
+                message += (f" ({flag} after `--` is an argument, not a flag, and this command "
+                            f"takes no such argument: put {flag} before `--`)")
+                words = []
+            for word in words:
                 name = word.split("=")[0]
                 longer = sorted(f for f in flags if f.startswith(name)) if len(name) > 2 else []
                 if name.startswith("--") and longer:  # (an abbreviation, taken until stop 67)

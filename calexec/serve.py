@@ -154,6 +154,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
+    # (taken and ignored without --dump-dir: the operator believed prompts were dumped, or
+    # capped, and nothing was written)
+    for flag, what in (("--dump-prompts", "dumps nothing"),
+                       ("--dump-max-bytes", "caps nothing")):
+        p.only_with(flag, lambda args: args.dump_dir is not None,
+                    f"{what} without --dump-dir, which enables the dump (give --dump-dir DIR, "
+                    f"or leave {flag} out)")
     p.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
                    default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds, at most "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from calexec import __version__, cli
+from calexec import __version__, cli, cliargs
 from calexec.drivers.tools.accept.gate_rig import Progress
 
 TIMEOUT_S = 120
@@ -106,7 +106,7 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default(monkeypatch)
             assert action.help, f"calexec {name}: {action.option_strings or action.dest} has no help"
         text = parser.format_help()
         for action in parser._actions:
-            if action.option_strings and action.default not in (None, False, "", argparse.SUPPRESS):
+            if action.option_strings and not cliargs.default_unshown(action.default):
                 assert "default" in (action.help or "") or "(default:" in text, (name, action.dest)
     serve_help = parsers["serve"].format_help()
     for flag in ("--manifest", "--calbin", "--runtime-lib", "--reset-kind", "--conform-report",

@@ -170,6 +170,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample", type=cliargs.positive_int, metavar="N",
                         help="a deterministic sample of N mutants spread over charts and kinds")
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=0, help="seed of --sample (default 0)")
+    # (taken and ignored without --sample: every mutant ran, in the same order, whatever it was)
+    parser.only_with("--seed", lambda args: args.sample is not None,
+                     "seeds --sample's choice, and no --sample is given (every mutant runs; "
+                     "give --sample N, or leave --seed out)")
     parser.add_argument("--jobs", type=cliargs.int_in(1, MAX_JOBS), default=2,
                         help=f"mutants run at once, 1..{MAX_JOBS} (default 2)")
     parser.add_argument("--timeout", metavar="S",  # (text: read in main, named as given)

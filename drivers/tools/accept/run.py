@@ -24,6 +24,7 @@ and ``attrs.evolve`` for a test-size override.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -196,6 +197,11 @@ def gate_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _runs_gate(gate: str, args: argparse.Namespace) -> bool:
+    """Whether the command line ``args`` runs ``gate`` (``--gates`` absent: every gate)."""
+    return args.gates is None or gate in args.gates
+
+
 def _parser() -> argparse.ArgumentParser:
     p = cliargs.parser("calexec accept", __doc__)
     mode = p.add_mutually_exclusive_group()
@@ -211,6 +217,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="length of the chaos gate's fault soak of the server per phase "
                         f"(quick 6, full 1800; at least {MIN_CHAOS_SECONDS:g})")
     p.add_argument("--gates", type=gate_list, help=f"comma-separated subset of {','.join(GATES)}")
+    # (a length for a gate --gates leaves out was taken and ignored: `--gates correctness
+    # --soak-seconds 600` ran no soak, and said nothing)
+    for flag, gate in (("--soak-seconds", "soak"), ("--chaos-seconds", "chaos")):
+        p.only_with(flag, functools.partial(_runs_gate, gate),
+                    f"sets the {gate} gate's length, and --gates leaves that gate out (add "
+                    f"{gate} to --gates, or leave {flag} out)")
     cliargs.add_device_args(p)
     return p
 

@@ -64,6 +64,7 @@ thresholds above are reported, never asserted: a benchmark reports numbers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -1424,8 +1425,17 @@ def main(argv: list[str]) -> int:
     command = argv[1] if len(argv) > 1 else ""
     parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    # (logits' seed draws the logits it converts, not prompts; pingpong's prompts are fixed,
+    # sequence i's are i..i+16: its --seed, shown as "seed of the prompts", was taken and
+    # ignored, and is now refused, not listed)
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=0,
-                        help="seed of the prompts")
+                        help=argparse.SUPPRESS if command == "pingpong"
+                        else "seed of the logits converted" if command == "logits"
+                        else "seed of the prompts")
+    if command == "pingpong":
+        parser.only_with("--seed", lambda args: False,
+                         "pingpong's prompts are fixed (sequence i's are the tokens i..i+16): "
+                         "no seed changes them; leave --seed out")
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
@@ -1467,6 +1477,11 @@ def main(argv: list[str]) -> int:
                                  "completion thread does the work, then wakes it), native "
                                  "(it waits in C; the completion thread does the work), "
                                  "caller (it waits in C and does the work itself)")
+        # (taken and ignored with --no-relay-floor: the run had no relay floor to apply them to)
+        for flag in ("--relay-work-us", "--relay-deliver"):
+            parser.only_with(flag, lambda args: not args.no_relay_floor,
+                             "applies to the relay floor, which --no-relay-floor leaves out "
+                             f"(drop one of {flag} and --no-relay-floor)")
     elif command == "logits":
         parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")

@@ -173,9 +173,9 @@ def parse_range(text: str) -> tuple[int, int]:
     """``LO-HI`` or ``N`` -> (lo, hi), 1 <= lo <= hi <= :data:`MAX_TOKENS` (a request asking
     for more than the model's context holds is refused by the server: the soak would start it,
     then end at its first request)."""
-    lo, _, hi = text.partition("-")
-    try:
-        pair = (int(lo), int(hi or lo))
+    lo, dash, hi = text.partition("-")
+    try:  # (a dash with nothing after it, '4-', was taken for 4 alone, not refused)
+        pair = (int(lo), int(hi if dash else lo))
     except ValueError:
         raise ValueError(f"--max-tokens={text!r}: not N or LO-HI") from None
     if not 1 <= pair[0] <= pair[1]:

@@ -1,0 +1,162 @@
+"""Stop 70's sweep of bad command lines (an operator's view of every command): a flag after
+``--``, flags taken and ignored because another flag they act on is absent or switched off,
+a ``--max-tokens`` range with no upper end, and help that printed no default when it was 0.
+
+Each refusal is a usage error at parse time: one line naming the flag, exit 2, before any
+work (nothing here starts an executor, a server or a benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from calexec import cli, cliargs
+from calexec.drivers.tools.bench import soak
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each command would start once its flags were taken ends the command at once (an
+    internal error, exit 70): a flag that is not refused fails the test, never runs a server,
+    the gates, a benchmark or a mutation run."""
+    import importlib
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the command ran: its flags were taken")
+
+    for module, name in (("calexec.serve", "_listen_socket"),
+                         ("calexec.drivers.tools.accept.run", "run_accept"),
+                         ("calexec.drivers.tools.bench.core", "run_overhead"),
+                         ("calexec.drivers.tools.bench.core", "run_pingpong"),
+                         ("calexec.drivers.tools.charts_mutate", "_run")):
+        monkeypatch.setattr(importlib.import_module(module), name, started)
+
+
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    code = cli.main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == cliargs.EXIT_CONFIG, captured.err
+    assert len(lines) == 1, lines  # one line: nothing ran before it
+    assert captured.out == ""
+    return lines[0]
+
+
+def test_a_flag_after_double_dash_is_named_as_such_not_as_an_abbreviation(
+        capsys: pytest.CaptureFixture[str]):
+    """``calexec demo --seqs 2 -- --tokens 1`` (a wrapper that puts ``--`` before the caller's
+    flags) said "abbreviations are not taken: did you mean --tokens?" of ``--tokens``, the
+    flag spelled in full: the user was sent looking for a typo that was not there. The line
+    now says the flag came after ``--`` and where to put it."""
+    line = _refused(capsys, ["demo", "--seqs", "2", "--", "--tokens", "1"])
+    assert "abbreviation" not in line, line
+    assert "--tokens after `--` is an argument, not a flag" in line, line
+    assert "put --tokens before `--`" in line, line
+
+
+def test_an_abbreviation_is_still_named_as_one(capsys: pytest.CaptureFixture[str]):
+    """The hint for a real abbreviation (stop 67) is unchanged."""
+    line = _refused(capsys, ["demo", "--tok", "1"])
+    assert "abbreviations are not taken: did you mean --tokens?" in line, line
+
+
+@pytest.mark.parametrize(("argv", "flag", "said"), [
+    # serve: the dump's flags without the flag that enables the dump (a --dump-prompts meant to
+    # record prompts wrote nothing, silently)
+    (["serve", "--dump-prompts"], "--dump-prompts", "without --dump-dir"),
+    (["serve", "--dump-max-bytes", "5"], "--dump-max-bytes", "without --dump-dir"),
+    # the default value given explicitly is given all the same
+    (["serve", "--dump-max-bytes", str(16 << 20)], "--dump-max-bytes", "without --dump-dir"),
+    # accept: a gate's length for a gate --gates leaves out (no soak ran, nothing said)
+    (["accept", "--gates", "correctness", "--soak-seconds", "600"], "--soak-seconds",
+     "--gates leaves that gate out"),
+    (["accept", "--gates", "soak", "--chaos-seconds", "10"], "--chaos-seconds",
+     "--gates leaves that gate out"),
+    # bench overhead: the relay floor's settings with the relay floor switched off
+    (["bench", "overhead", "--no-relay-floor", "--relay-work-us", "20"], "--relay-work-us",
+     "--no-relay-floor"),
+    (["bench", "overhead", "--relay-deliver", "caller", "--no-relay-floor"], "--relay-deliver",
+     "--no-relay-floor"),
+    # charts mutate: the seed of a sample never drawn
+    (["charts", "mutate", "--seed", "3"], "--seed", "no --sample is given"),
+    # bench pingpong: "seed of the prompts" in its help, and its prompts are fixed
+    (["bench", "pingpong", "--seed", "3"], "--seed", "prompts are fixed"),
+])
+def test_a_flag_that_would_be_ignored_is_refused_naming_what_it_needs(
+        capsys: pytest.CaptureFixture[str], no_work: None, argv: list[str], flag: str,
+        said: str):
+    """Each of these ran with the flag taken and ignored (exit 0, the run's figures not what
+    the operator asked for); now a usage error naming the flag and the one it depends on."""
+    line = _refused(capsys, argv)
+    assert line.startswith(f"calexec {' '.join(argv[:2]) if argv[0] in ('bench', 'charts') else argv[0]}"
+                           f": error: argument {flag}: "), line
+    assert said in line, line
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    # with the flag they depend on, the same flags pass the parse: the run stops at the next
+    # flag, refused on its own (so nothing starts)
+    (["bench", "overhead", "--relay-work-us", "20", "--relay-deliver", "caller", "--runs", "0"],
+     "--runs"),
+    (["charts", "mutate", "--seed", "3", "--sample", "2", "--jobs", "0"], "--jobs"),
+    (["accept", "--gates", "soak,chaos", "--soak-seconds", "60", "--chaos-seconds", "10",
+      "--phase", "c"], "--phase"),
+    (["accept", "--soak-seconds", "60", "--chaos-seconds", "10", "--phase", "c"], "--phase"),
+    (["serve", "--dump-dir", "d", "--dump-prompts", "--dump-max-bytes", "5", "--port", "-1"],
+     "--port"),
+])
+def test_the_same_flags_with_what_they_act_on_are_taken(
+        capsys: pytest.CaptureFixture[str], no_work: None, argv: list[str], flag: str):
+    line = _refused(capsys, argv)
+    assert f"argument {flag}:" in line, line
+
+
+def test_only_with_judges_the_flags_given_not_their_defaults():
+    """``Parser.only_with``: a flag left at its default is not judged; given (any value) it
+    is; a caller's own namespace keeps argparse's rules."""
+    p = cliargs.parser("calexec t", None)
+    p.add_argument("--on", action="store_true")
+    p.add_argument("--level", type=int, default=3)
+    # (a string default argparse converts by its type after the command line, as if given)
+    p.add_argument("--mode", type=str.upper, default="a")
+    for flag in ("--level", "--mode"):
+        p.only_with(flag, lambda args: args.on, "needs --on")
+    assert vars(p.parse_args([])) == {"on": False, "level": 3, "mode": "A"}
+    assert p.parse_args(["--on", "--level", "4", "--mode", "b"]).level == 4
+    for argv in (["--level", "3"], ["--mode=a"]):
+        with pytest.raises(SystemExit) as ended:
+            p.parse_args(argv)
+        assert ended.value.code == cliargs.EXIT_CONFIG
+
+
+@pytest.mark.parametrize("text", ["4-", "-8", "-"])
+def test_a_max_tokens_range_without_both_ends_is_refused(text: str):
+    """``bench soak --max-tokens 4-`` ran every request at 4 tokens: the dash with nothing
+    after it was read as ``4`` alone, not refused as "N or LO-HI"."""
+    with pytest.raises(ValueError, match="not N or LO-HI"):
+        soak.parse_range(text)
+    assert soak.parse_range("4") == (4, 4) and soak.parse_range("4-8") == (4, 8)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["demo", "--help"], "--decode-us"),
+    (["bench", "overhead", "--help"], "--seed"),
+    (["bench", "recovery", "--help"], "--seed"),
+    (["bench", "logits", "--help"], "--seed"),
+])
+def test_help_prints_a_default_of_zero(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                       flag: str):
+    """Every flag's help shows its default (test_cli.py), but one of 0 was left out: compared
+    with ``in (None, False, ...)``, 0 equals False. ``demo --decode-us`` and every ``--seed``
+    printed no default."""
+    assert cli.main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    after = out.split(f" {flag} ", 1)[1]
+    assert "(default: 0)" in after.split(" --", 1)[0], after[:300]
+
+
+def test_default_unshown_tells_zero_from_false():
+    assert cliargs.default_unshown(None) and cliargs.default_unshown(False)
+    assert cliargs.default_unshown("") and cliargs.default_unshown(argparse.SUPPRESS)
+    assert not cliargs.default_unshown(0) and not cliargs.default_unshown(0.0)
