@@ -610,6 +610,20 @@ def _calbin_refused(path: str, refusal: Status, started: str) -> str:
             f"the executor {started}")
 
 
+def replica_settings(args: argparse.Namespace, config: ServerConfig,
+                     spec: DeviceSpec) -> dict[str, Any]:
+    """The fields of ``serve --ray``'s ``ReplicaSettings`` (drivers/fleet/ray_serve.py), from
+    the flags that set ``serve``'s own executor: each replica's executor is set as it would
+    be (``--inflight-capacity`` and ``--allow-unpinned-golden`` were taken and ignored by
+    ``--ray``: every replica in Phase A, a calbin with no pinned golden refused)."""
+    return {"device_config": args.device_config, "calbin_path": args.calbin,
+            "runtime_lib": args.runtime_lib, "grace_s": args.grace, "server": config,
+            "gil_switch_us": args.gil_switch_us, "manifest_path": args.manifest,
+            "reset_kind": spec.reset()[0], "native_relay": args.native_relay,
+            "inflight_capacity": args.inflight_capacity,
+            "allow_unpinned_golden": args.allow_unpinned_golden}
+
+
 def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:
     """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``.
 
@@ -658,10 +672,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
         with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.bind((args.host, 0))
             port = s.getsockname()[1]
-    settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
-                               runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
-                               gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
-                               reset_kind=spec.reset()[0], native_relay=args.native_relay)
+    settings = ReplicaSettings(**replica_settings(args, config, spec))
     try:
         ray.init(address=local_ray.init_address(), include_dashboard=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:

@@ -160,3 +160,45 @@ def test_default_unshown_tells_zero_from_false():
     assert cliargs.default_unshown(None) and cliargs.default_unshown(False)
     assert cliargs.default_unshown("") and cliargs.default_unshown(argparse.SUPPRESS)
     assert not cliargs.default_unshown(0) and not cliargs.default_unshown(0.0)
+
+
+def _serve_args(*flags: str) -> tuple[argparse.Namespace, object]:
+    from calexec import serve
+
+    args = serve._parser().parse_args(["--ray", *flags])
+    return args, cliargs.device_spec(args)
+
+
+def test_serve_ray_hands_its_replicas_every_flag_of_the_executor():
+    """``calexec serve --ray --inflight-capacity 2`` ran every replica in Phase A, and
+    ``--allow-unpinned-golden`` did not reach them (a calbin without a pinned golden failed
+    every replica's start): ``ReplicaSettings`` had no such fields. Each flag that sets
+    ``serve``'s own executor now sets each replica's."""
+    from calexec import serve
+    from calexec.drivers.serving.server import ServerConfig
+
+    args, spec = _serve_args("--inflight-capacity", "2", "--allow-unpinned-golden",
+                             "--native-relay")
+    fields = serve.replica_settings(args, ServerConfig(), spec)
+    assert fields["inflight_capacity"] == 2
+    assert fields["allow_unpinned_golden"] is True and fields["native_relay"] is True
+    args, spec = _serve_args()
+    fields = serve.replica_settings(args, ServerConfig(), spec)
+    assert fields["inflight_capacity"] == 1 and fields["allow_unpinned_golden"] is False
+
+
+def test_replica_settings_take_the_executor_flags():
+    """The [ray] extra's side: ``ReplicaSettings`` takes the fields, checked as the executor's
+    own config checks them."""
+    import needs
+
+    needs.module("ray", "ray")
+    from calexec import serve
+    from calexec.drivers.fleet.ray_serve import ReplicaSettings
+    from calexec.drivers.serving.server import ServerConfig
+
+    args, spec = _serve_args("--inflight-capacity", "2", "--allow-unpinned-golden")
+    settings = ReplicaSettings(**serve.replica_settings(args, ServerConfig(), spec))
+    assert settings.inflight_capacity == 2 and settings.allow_unpinned_golden is True
+    with pytest.raises(ValueError):
+        ReplicaSettings(inflight_capacity=3)

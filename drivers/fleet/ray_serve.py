@@ -157,6 +157,14 @@ class ReplicaSettings:
                                                 attrs.validators.le(MAX_SWITCH_INTERVAL_US)])
     #: ``ExecutorConfig.native_relay`` of every replica's executor (``serve --native-relay``)
     native_relay: bool = False
+    #: ``ExecutorConfig.inflight_capacity`` of every replica's executor (``serve
+    #: --inflight-capacity``: 1, Phase A; 2, Phase B). Until stop 70 ``serve --ray`` took
+    #: the flag and ran every replica in Phase A
+    inflight_capacity: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2)))
+    #: ``ExecutorConfig.allow_unpinned_golden`` of every replica's executor (``serve
+    #: --allow-unpinned-golden``; taken and ignored by ``serve --ray`` until stop 70, so a
+    #: calbin with no pinned golden failed every replica's start)
+    allow_unpinned_golden: bool = False
 
 
 def check_lifecycle(state: str, failure: Any = None) -> None:
@@ -272,7 +280,9 @@ class CalexecReplica:
         self.executor = DeviceExecutor(spec.runtime(), spec.manifest(), with_emulated_latency(
             within_request_timeout(ExecutorConfig(
                 calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
-                recovery=spec.recovery(), native_relay=settings.native_relay),
+                recovery=spec.recovery(), native_relay=settings.native_relay,
+                inflight_capacity=settings.inflight_capacity,
+                allow_unpinned_golden=settings.allow_unpinned_golden),
                 settings.server.default_timeout_s)))
         status = self.executor.start()
         if not status.ok:  # (Failed: its device closed, its threads ended, by the shutdown)
@@ -349,7 +359,9 @@ class CalexecReplica:
         snap = self.executor.snapshot()
         return {"replica": self.replica, "device": self.device, "pid": os.getpid(),
                 "lifecycle": snap["lifecycle"], "generation": snap["generation"],
-                "succeeded": snap["succeeded"], "relayed": self.edge.relayed}
+                "succeeded": snap["succeeded"], "relayed": self.edge.relayed,
+                "inflight_capacity": self.executor.config.inflight_capacity,
+                "allow_unpinned_golden": self.executor.config.allow_unpinned_golden}
 
     def inject_submit_fault(self, rc: int, nth: int = 1) -> dict[str, Any]:
         """Emulator only: the ``nth`` next ``infer()`` on this replica's device returns ``rc``
