@@ -179,6 +179,16 @@ class Parser(argparse.ArgumentParser):
         self._only_with: list[tuple[str, Callable[[argparse.Namespace], bool], str]] = []
         #: the dests of the flags the command line gave, this parse (:meth:`_get_values`)
         self._given_dests: set[str] = set()
+        self._words: list[str] = []
+        #: the dests whose values are secrets (:meth:`secret`), never shown in a message
+        self._secret_dests: set[str] = set()
+
+    def secret(self, flag: str) -> None:
+        """Never show ``flag``'s value in a message of the parser (the warning of a flag given
+        twice with different values, the hint of a value starting with '-'): ``serve
+        --api-key``'s key, which its own checks never echo either, was written to stderr (a
+        supervisor's log) by the warning of ``--api-key k1 --api-key k2``."""
+        self._secret_dests.add(self._option_string_actions[flag].dest)
 
     def only_with(self, flag: str, holds: Callable[[argparse.Namespace], bool],
                   why: str) -> None:
@@ -191,6 +201,8 @@ class Parser(argparse.ArgumentParser):
         self._only_with.append((flag, holds, why))
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        #: the words parsed, for :meth:`error`'s hints
+        self._words = [str(w) for w in (sys.argv[1:] if args is None else args)]
         if namespace is not None:  # a caller's namespace: argparse's own rules
             return super().parse_known_args(args, namespace)
         given = _Given()
@@ -213,10 +225,14 @@ class Parser(argparse.ArgumentParser):
             if any(value != values[0] for value in values[1:]):
                 flags = "/".join(next((o for o in a.option_strings if o.startswith("--")),
                                       a.option_strings[0]) for a in actions)
-                shown = ", then ".join(_shown(value) for value in values)
                 times = "twice" if len(values) == 2 else f"{len(values)} times"
-                warning = (f"{flags} given {times} with different values "
-                           f"({shown}): the last, {_shown(values[-1])}, is taken")
+                if dest in self._secret_dests:
+                    warning = (f"{flags} given {times} with different values (not shown: "
+                               "a secret): the last is taken")
+                else:
+                    shown = ", then ".join(_shown(value) for value in values)
+                    warning = (f"{flags} given {times} with different values "
+                               f"({shown}): the last, {_shown(values[-1])}, is taken")
                 sys.stderr.write(f"{self.prog}: warning: "
                                  f"{warning.translate(_CONTROL_ESCAPES)}\n")
         result = argparse.Namespace(**{k: v for k, v in vars(given).items()
@@ -240,7 +256,26 @@ class Parser(argparse.ArgumentParser):
             return value
         return super()._get_values(action, arg_strings)
 
+    def _dash_value_hint(self, message: str) -> str:
+        """For argparse's "argument --api-key: expected one argument" when the word after the
+        flag starts with '-' and is no flag of the command (an API key ``-k3y``, ``--note
+        -draft``, ``--decode-us -1e3``): argparse reads it as a flag, so the flag "has no
+        value", which sent the user looking for a value they had given. The hint says how to
+        give it: ``--api-key=-k3y``."""
+        names = message.removeprefix("argument ").partition(":")[0].split("/")
+        words = self._words[:self._words.index("--")] if "--" in self._words else self._words
+        for i, word in enumerate(words[:-1]):
+            value = words[i + 1]
+            if (word in names and value.startswith("-") and value != "-"
+                    and value.partition("=")[0] not in self._option_string_actions):
+                secret = self._option_string_actions[word].dest in self._secret_dests
+                written = f"{word}=VALUE" if secret else shlex.quote(f"{word}={value}")
+                return f" (a value that starts with '-' is read as a flag: write {written})"
+        return ""
+
     def error(self, message: str) -> NoReturn:
+        if message.startswith("argument ") and message.endswith(": expected one argument"):
+            message += self._dash_value_hint(message)
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
             words = message.split(":", 1)[1].split()

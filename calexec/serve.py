@@ -118,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                         "need 'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: "
                         "open); /health, /ready, /ping, /version, /metrics and /debug/* stay "
                         "open (/admin/* and /debug/jobs/{id} take --admin-token-file's token)")
+    p.secret("--api-key")  # (never echoed: the parser's warnings and hints show no key)
     p.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
                    help="allow browser pages of this origin (scheme://host[:port], or '*') to "
                         "call the server: CORS preflights answered, responses marked; "

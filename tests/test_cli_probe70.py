@@ -202,3 +202,41 @@ def test_replica_settings_take_the_executor_flags():
     assert settings.inflight_capacity == 2 and settings.allow_unpinned_golden is True
     with pytest.raises(ValueError):
         ReplicaSettings(inflight_capacity=3)
+
+
+@pytest.mark.parametrize(("argv", "written"), [
+    (["demo", "--decode-us", "-1e3"], "write --decode-us=-1e3"),
+    (["charts", "mutate", "--chart", "-x"], "write --chart=-x"),
+    (["conform", "--lib", "-x"], "write --lib=-x"),
+    (["golden", "record", "--calbin", "x", "--note", "-draft"], "write --note=-draft"),
+])
+def test_a_value_starting_with_a_dash_is_told_how_to_give_it(
+        capsys: pytest.CaptureFixture[str], argv: list[str], written: str):
+    """``--note -draft`` (an API key, a chart reference, a number argparse does not read as
+    negative) was "expected one argument" and no more: the value was given, argparse took it
+    for a flag. The line now says how to write it."""
+    line = _refused(capsys, argv)
+    assert f"expected one argument (a value that starts with '-' is read as a flag: {written})" \
+        in line, line
+
+
+@pytest.mark.parametrize("argv", [["demo", "--seqs"], ["demo", "--seqs", "--tokens", "2"],
+                                  ["demo", "--seqs", "--", "-x"]])
+def test_a_flag_with_no_value_gets_no_such_hint(capsys: pytest.CaptureFixture[str],
+                                                argv: list[str]):
+    line = _refused(capsys, argv)
+    assert line.endswith("argument --seqs: expected one argument (see calexec demo --help)"), line
+
+
+def test_the_api_key_is_never_shown_by_the_parser(capsys: pytest.CaptureFixture[str]):
+    """``serve --api-key k1 --api-key k2`` (a wrapper's key, then the caller's) wrote both keys
+    to stderr in the warning of a flag given twice, a supervisor's log: the server's own checks
+    never echo the key. Neither does the parser now, nor its hint for a key starting with
+    '-'."""
+    assert cli.main(["serve", "--api-key", "sekrit-one", "--api-key", "sekrit-two",
+                     "--timeout", "601"]) == cliargs.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert "--api-key given twice with different values (not shown: a secret)" in err, err
+    line = _refused(capsys, ["serve", "--api-key", "-sekrit-three"])
+    assert "write --api-key=VALUE" in line, line
+    assert "sekrit" not in err + line
