@@ -251,17 +251,22 @@ def _admin_token(path: Path | None) -> str | None:
     return token
 
 
-def exposure_warnings(host: str, api_key: str | None, token_file: Path | None) -> list[str]:
+def exposure_warnings(host: str, api_key: str | None, token_file: Path | None,
+                      bound: str | None = None) -> list[str]:
     """What an operator should hear about who can reach or steer this server (WARNING lines
     at startup, nothing refused): a ``--host`` that is not loopback with no ``--api-key``
     (anyone reaching the address runs completions), an ``--admin-token-file`` the group or
     others can read (anyone on the machine can drain or reload the server; a Kubernetes secret
-    volume mounts its files 0644 unless told otherwise, so this is not refused)."""
+    volume mounts its files 0644 unless told otherwise, so this is not refused). ``bound``:
+    the address the server listens on, judged in place of ``host``'s text when given
+    (``--host 127.1`` and a name that resolves to 127.0.0.1 listen on loopback, and were
+    warned about; ``--host 0`` is said as the 0.0.0.0 it binds)."""
     from calexec.drivers.fleet.local_ray import is_loopback  # (imports no Ray)
 
     said = []
-    if api_key is None and not is_loopback(host):
-        said.append(f"--host={host!r} is not a loopback address and no --api-key is set: "
+    if api_key is None and not is_loopback(host if bound is None else bound):
+        shown = f"--host={host!r}" + ("" if bound in (None, host) else f" ({bound})")
+        said.append(f"{shown} is not a loopback address and no --api-key is set: "
                     "anyone who reaches it can run completions (set --api-key or "
                     "$CALEXEC_API_KEY, or bind 127.0.0.1 behind a proxy that authenticates)")
     if token_file is not None:
@@ -278,10 +283,10 @@ def exposure_warnings(host: str, api_key: str | None, token_file: Path | None) -
     return said
 
 
-def _warn_exposure(args: argparse.Namespace) -> None:
+def _warn_exposure(args: argparse.Namespace, bound: str | None = None) -> None:
     """Log :func:`exposure_warnings` (after every flag was checked and the address taken: a
-    refused command prints its one line only)."""
-    for line in exposure_warnings(args.host, args.api_key, args.admin_token_file):
+    refused command prints its one line only); ``bound``: the listener's address."""
+    for line in exposure_warnings(args.host, args.api_key, args.admin_token_file, bound):
         logging.getLogger("calexec.serve").warning("%s", line)
 
 
@@ -362,7 +367,8 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"calexec serve: {err}", file=sys.stderr)
         return EXIT_USAGE
-    _warn_exposure(args)  # once the flags are known good: a refusal stays one line
+    # once the flags are known good (a refusal stays one line), of the address bound
+    _warn_exposure(args, str(listener.getsockname()[0]))
     try:
         return _serve(args, config, port, spec, listener, dump, log_level)
     except _Terminated as ended:  # the scratch directory is gone: now end by the signal

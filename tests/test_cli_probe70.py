@@ -240,3 +240,36 @@ def test_the_api_key_is_never_shown_by_the_parser(capsys: pytest.CaptureFixture[
     line = _refused(capsys, ["serve", "--api-key", "-sekrit-three"])
     assert "write --api-key=VALUE" in line, line
     assert "sekrit" not in err + line
+
+
+@pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f000001"])
+def test_a_loopback_host_in_another_spelling_is_not_warned_about(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, host: str):
+    """``calexec serve --host 127.1`` (the resolver's spelling of 127.0.0.1) listened on
+    loopback and logged "--host='127.1' is not a loopback address and no --api-key is set:
+    anyone who reaches it can run completions": the warning judged the flag's text, not the
+    address bound. It now judges the listener's address."""
+    import logging
+
+    from calexec import serve
+
+    bound: list[str] = []
+
+    def served(args, config, port, spec, listener, dump, log_level) -> int:
+        with listener:
+            bound.append(listener.getsockname()[0])
+        return 0
+
+    monkeypatch.setattr(serve, "_serve", served)
+    with caplog.at_level(logging.WARNING, logger="calexec.serve"):
+        assert cli.main(["serve", "--host", host, "--port", "0"]) == 0
+    assert bound == ["127.0.0.1"]
+    assert not [r for r in caplog.records if "loopback" in r.getMessage()], caplog.text
+
+
+def test_a_wildcard_host_is_warned_about_as_the_address_it_binds():
+    from calexec import serve
+
+    warned = serve.exposure_warnings("0", None, None, bound="0.0.0.0")
+    assert len(warned) == 1 and warned[0].startswith("--host='0' (0.0.0.0) is not a loopback")
+    assert serve.exposure_warnings("127.1", None, None, bound="127.0.0.1") == []
