@@ -180,6 +180,9 @@ class Parser(argparse.ArgumentParser):
         #: the dests of the flags the command line gave, this parse (:meth:`_get_values`)
         self._given_dests: set[str] = set()
         self._words: list[str] = []
+        #: the flags shown before ``--`` in the hint of a command given without it (a
+        #: command-running tool's: ``charts cover``'s ``--chart MODULE:CLASS``); None: no hint
+        self.command_after: str | None = None
         #: the dests whose values are secrets (:meth:`secret`), never shown in a message
         self._secret_dests: set[str] = set()
 
@@ -297,6 +300,12 @@ class Parser(argparse.ArgumentParser):
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
+            else:
+                if self.command_after and words and "--" not in self._words:
+                    # (`charts cover --chart M:C python -c ...`: "unrecognized arguments: -c
+                    # ...", nothing said that a command's own flags go after `--`)
+                    message += (f" (a command with flags of its own goes after `--`: "
+                                f"{self.prog} {self.command_after} -- COMMAND ...)")
         # one line whatever was typed: a control character in an argument (a newline in an
         # unknown word, an escape sequence) is shown escaped, never written to the terminal
         message = message.translate(_CONTROL_ESCAPES)

@@ -273,3 +273,16 @@ def test_a_wildcard_host_is_warned_about_as_the_address_it_binds():
     warned = serve.exposure_warnings("0", None, None, bound="0.0.0.0")
     assert len(warned) == 1 and warned[0].startswith("--host='0' (0.0.0.0) is not a loopback")
     assert serve.exposure_warnings("127.1", None, None, bound="127.0.0.1") == []
+
+
+def test_a_test_command_given_without_double_dash_is_told_where_it_goes(
+        capsys: pytest.CaptureFixture[str]):
+    """``calexec charts cover --chart lamp:Lamp python -c 'import lamp'`` (the ``--`` left
+    out) was "unrecognized arguments: -c import lamp" and no more; the line now says the
+    command goes after ``--``. A typo of one of cover's own flags keeps its "did you mean"."""
+    line = _refused(capsys, ["charts", "cover", "--chart", "lamp:Lamp", "python", "-c",
+                             "import lamp"])
+    assert "unrecognized arguments: -c import lamp (a command with flags of its own goes " \
+           "after `--`: calexec charts cover --chart MODULE:CLASS -- COMMAND ...)" in line, line
+    line = _refused(capsys, ["charts", "cover", "--chart", "lamp:Lamp", "true", "--mni", "5"])
+    assert "(did you mean --min?)" in line and "after `--`" not in line, line

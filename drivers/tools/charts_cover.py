@@ -141,6 +141,7 @@ def main(argv: list[str]) -> int:
                         help="exit 1 when a chart's transition coverage is below PCT percent")
     parser.add_argument("command", nargs="*", metavar="COMMAND",
                         help="the test command, after `--` (e.g. -- python -m pytest -q)")
+    parser.command_after = "--chart MODULE:CLASS"
     args = parser.parse_args(argv[2:])
     minimum = _minimum(args.min)
     if not args.command:
