@@ -42,11 +42,13 @@ _OPTIONAL = {"note"}
 
 class GoldenFileError(ValueError):
     """A goldens file is malformed (``file``, ``key``, ``value``, ``problem``, as
-    ``ManifestError``)."""
+    ``ManifestError``; ``value`` None: no value to show, a file that is not TOML or a key
+    missing, said as ``ManifestError`` says it, not ``<toml>=None``)."""
 
     def __init__(self, file: str, key: str, value: object, problem: str) -> None:
         self.file, self.key, self.value, self.problem = file, key, value, problem
-        super().__init__(f"{file}: {key}={value!r}: {problem}")
+        shown = "" if value is None else f"={value!r}"
+        super().__init__(f"{file}: {key}{shown}: {problem}")
 
 
 @attrs.frozen

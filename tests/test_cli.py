@@ -983,7 +983,7 @@ def _binary(tmp_path: Path) -> str:
      "--out='/dev/zero': cannot update it: /dev/zero: <file>='crw"),
     # "internal error: UnicodeDecodeError", exit 70
     (["golden", "record", "--calbin", "{calbin}", "--out", "{binary}"],
-     "--out='{binary}': cannot update it: {binary}: <toml>=None: not UTF-8 text"),
+     "--out='{binary}': cannot update it: {binary}: <toml>: not UTF-8 text"),
     (["charts", "mutate", "--chart", "calexec.machines.charts:JobChart", "--test-cmd", "true",
       "--sample", "1", "--equivalent", "{binary}"], "--equivalent='{binary}': not UTF-8 text"),
     # named the flag but not the file: "--manifest: 'utf-8' codec can't decode byte 0x81 ..."

@@ -286,3 +286,22 @@ def test_a_test_command_given_without_double_dash_is_told_where_it_goes(
            "after `--`: calexec charts cover --chart MODULE:CLASS -- COMMAND ...)" in line, line
     line = _refused(capsys, ["charts", "cover", "--chart", "lamp:Lamp", "true", "--mni", "5"])
     assert "(did you mean --min?)" in line and "after `--`" not in line, line
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("[[golden\n", ": <toml>: not valid TOML"),
+    ('format = 1\n[[golden]]\ncalbin_sha256 = "x"\n', ": golden[0].prompt: missing required key"),
+])
+def test_a_goldens_file_error_shows_no_none(tmp_path, text: str, said: str):
+    """``calexec golden record --out FILE`` of a FILE that is not a goldens file (a calbin
+    typed for it) said "FILE: <toml>=None: not valid TOML", and a golden missing a key
+    "golden[0].prompt=None: missing required key": the None of no value shown as one. Said
+    now as the manifest's errors say it."""
+    from calexec.contracts import goldens
+
+    path = tmp_path / "m.goldens.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(goldens.GoldenFileError) as refused:
+        goldens.load_goldens(path)
+    assert str(refused.value).startswith(f"{path}{said}"), str(refused.value)
+    assert "None" not in str(refused.value)
