@@ -92,7 +92,8 @@ DEFAULT_END_TOKEN = cast(int, _SERVER_DEFAULTS.end_token_id.default)
 SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """``calexec serve``'s parser (public: a test reads the flags as the command does)."""
     p = cliargs.parser("calexec serve", __doc__)
     p.add_argument("--host", default="127.0.0.1", help="bind address")
     p.add_argument("--port", type=cliargs.port, help="TCP port (default 8000; with --once an "
@@ -293,7 +294,7 @@ def _warn_exposure(args: argparse.Namespace, bound: str | None = None) -> None:
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
-    args = _parser().parse_args(argv[1:])
+    args = parser().parse_args(argv[1:])
     # the key's source, named when it is refused: a key set (empty) in the environment by a
     # container's settings was refused as "--api-key is empty", a flag the command never had
     key_source = "--api-key"

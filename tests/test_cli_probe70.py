@@ -20,17 +20,21 @@ def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """What each command would start once its flags were taken ends the command at once (an
     internal error, exit 70): a flag that is not refused fails the test, never runs a server,
     the gates, a benchmark or a mutation run."""
-    import importlib
 
     def started(*args: object, **kwargs: object) -> None:
         raise AssertionError("the command ran: its flags were taken")
 
-    for module, name in (("calexec.serve", "_listen_socket"),
-                         ("calexec.drivers.tools.accept.run", "run_accept"),
-                         ("calexec.drivers.tools.bench.core", "run_overhead"),
-                         ("calexec.drivers.tools.bench.core", "run_pingpong"),
-                         ("calexec.drivers.tools.charts_mutate", "_run")):
-        monkeypatch.setattr(importlib.import_module(module), name, started)
+    from calexec import serve
+    from calexec.drivers.tools import charts_mutate
+    from calexec.drivers.tools.accept import run
+    from calexec.drivers.tools.bench import core
+
+    # (serve checks --host before it binds; charts mutate selects its mutants before it runs)
+    monkeypatch.setattr(serve, "host_problem", started)
+    monkeypatch.setattr(run, "run_accept", started)
+    monkeypatch.setattr(core, "run_overhead", started)
+    monkeypatch.setattr(core, "run_pingpong", started)
+    monkeypatch.setattr(charts_mutate, "select_mutants", started)
 
 
 def _refused(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -165,7 +169,7 @@ def test_default_unshown_tells_zero_from_false():
 def _serve_args(*flags: str) -> tuple[argparse.Namespace, object]:
     from calexec import serve
 
-    args = serve._parser().parse_args(["--ray", *flags])
+    args = serve.parser().parse_args(["--ray", *flags])
     return args, cliargs.device_spec(args)
 
 
@@ -244,26 +248,17 @@ def test_the_api_key_is_never_shown_by_the_parser(capsys: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("host", ["127.1", "2130706433", "0x7f000001"])
 def test_a_loopback_host_in_another_spelling_is_not_warned_about(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, host: str):
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, host: str):
     """``calexec serve --host 127.1`` (the resolver's spelling of 127.0.0.1) listened on
     loopback and logged "--host='127.1' is not a loopback address and no --api-key is set:
     anyone who reaches it can run completions": the warning judged the flag's text, not the
-    address bound. It now judges the listener's address."""
+    address bound. It now judges the listener's address (``--once``: served on 127.0.0.1,
+    one sample request, drained)."""
     import logging
 
-    from calexec import serve
-
-    bound: list[str] = []
-
-    def served(args, config, port, spec, listener, dump, log_level) -> int:
-        with listener:
-            bound.append(listener.getsockname()[0])
-        return 0
-
-    monkeypatch.setattr(serve, "_serve", served)
     with caplog.at_level(logging.WARNING, logger="calexec.serve"):
-        assert cli.main(["serve", "--host", host, "--port", "0"]) == 0
-    assert bound == ["127.0.0.1"]
+        assert cli.main(["serve", "--host", host, "--port", "0", "--once"]) == 0
+    assert "serving http://127.0.0.1:" in capsys.readouterr().out
     assert not [r for r in caplog.records if "loopback" in r.getMessage()], caplog.text
 
 
