@@ -261,15 +261,28 @@ class CompiledChart:
         for listener in self.listeners:
             listener(transition)
 
-    def run(self, model: object, state: str | None = None) -> ChartRun:
+    def run(self, model: object, state: str | None = None, *, state_field: str = "state",
+            start_value: object = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
 
         For a chart the flat fast path does not cover (``general`` names why) this is a
         ``statechart_run.StatechartRun`` (``model`` is then python-statemachine's ``model=``;
         ``state`` must be None: it starts in the declared initial configuration), which has
-        ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
+        ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data.
+
+        ``state_field`` and ``start_value`` are an instance's (``Chart(model,
+        state_field="status", start_value=20)``): the model attribute a saved state is read
+        from (the run writes none), and the state's value a run starts in when the model holds
+        none there (until stop 70 ``state`` alone was read: a model keeping its state in
+        another column started in the initial state, or was refused on a ``state`` of its own
+        that is no chart state)."""
         if self.unrunnable:
             self.refuse_runs()
+        if not isinstance(state_field, str) or not state_field.isidentifier():
+            raise ValueError(f"{self.name}: state_field={state_field!r}: expected the name of "
+                             f"the model's attribute holding its state (python-statemachine's "
+                             f"state_field, 'state' by default)")
+        start = None if start_value is None else self.start_state(start_value)
         answered: tuple[str, ...] = ()
         own: dict[str, Any] = {}
         if not self.general:  # (the executor's per-job path: a lookup per model class)
@@ -288,17 +301,19 @@ class CompiledChart:
                     f"{self.name}: state={state!r}: the model answers naming-convention "
                     f"callback(s) {', '.join(map(repr, answered))}, which only the general run "
                     f"calls, and it starts in the chart's initial state")
-            saved = _saved_state(model, self.state_slots)
+            saved = _saved_state(model, self.state_slots, state_field)
             if saved is not None:  # an instance would start there; this run would not
                 raise UnsupportedChart(
-                    f"{self.name}: the model already holds state={saved!r} (a python-"
+                    f"{self.name}: the model already holds {state_field}={saved!r} (a python-"
                     f"statemachine instance restores it): a general run starts in the declared "
-                    f"initial configuration; give it a model whose state is None, or, to "
+                    f"initial configuration; give it a model whose {state_field} is None"
+                    f"{_other_field(state_field)}, or, to "
                     f"run both on one model (a stateful test comparing them), make the run "
                     f"before the python-statemachine instance: the run writes no state")
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
-            return StatechartRun(self, model)  # type: ignore[return-value]
+            return StatechartRun(  # type: ignore[return-value]
+                self, model, state_field=state_field, start_value=start_value)
         coroutines = self.async_guards.get(cls)
         if coroutines is None:  # once per model class (a racing thread computes the same)
             coroutines = self.async_guards[cls] = tuple(
@@ -324,15 +339,16 @@ class CompiledChart:
             # a model that already holds a state (persisted, or a run before this one) starts
             # there, as a python-statemachine instance restores it (the state's value: its id
             # unless declared with value=)
-            saved = _saved_state(model, self.state_slots)
+            saved = _saved_state(model, self.state_slots, state_field)
             if saved is None:
-                state = self.start or self.initial
+                state = start or self.start or self.initial
             else:
                 state = self.state_of(saved)
                 if state is None:
-                    raise ValueError(f"{self.name}: the model's state={saved!r} is the value of "
-                                     f"none of the chart's states "
-                                     f"{_values_text(self.declaration, self.states)}")
+                    hint = "" if saved in self.states else _other_field(state_field)
+                    raise ValueError(f"{self.name}: the model's {state_field}={saved!r} is the "
+                                     f"value of none of the chart's states "
+                                     f"{_values_text(self.declaration, self.states)}{hint}")
         elif state not in self.states:
             raise ValueError(f"{self.name}: state={state!r} is not one of {self.states}")
         if values:  # (a guard answered by an attribute: read, as an instance reads it)
@@ -346,6 +362,21 @@ class CompiledChart:
         answered = self.model_actions[cls] = tuple(
             name for name in sorted(self.conventions) if callable(getattr(cls, name, None)))
         return answered
+
+    def start_state(self, start_value: object) -> str:
+        """The id of the state whose value is ``start_value`` (python-statemachine's argument
+        of an instance: where it starts when its model holds no state); a ``ValueError``
+        naming it and the chart's states' values when none has it."""
+        state = self.state_of(start_value)
+        if state is None:
+            values = self.declared_states()
+            hint = (f"; {start_value!r} is the id of state {start_value}: give its value, "
+                    f"{values[start_value].value!r}" if isinstance(start_value, str)
+                    and start_value in values else "")
+            raise ValueError(f"{self.name}: start_value={start_value!r} is the value of none of "
+                             f"the chart's states "
+                             f"{_values_text(self.declaration, self.states)}{hint}")
+        return state
 
     def state_of(self, saved: object) -> str | None:
         """The id of the state whose value a model's state field ``saved`` holds, as
@@ -402,17 +433,29 @@ def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[st
     return state
 
 
-def _saved_state(model: object, slots: dict[type, bool]) -> object:
-    """The state a model instance holds in its own ``state`` attribute (None: none): in its
-    ``__dict__``, or in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a
-    ``__dict__``: until stop 65 a slotted model's saved state was not read, and the run started
-    in the initial state where an instance restores it). Only the instance's own attributes:
-    a class-level property (calexec's models read their run) is no saved state. ``slots``:
-    the chart's ``state_slots``, where the slot is looked for once per model class."""
+def _other_field(state_field: str) -> str:
+    """The hint of a refused saved state read from ``state``: a model may keep the chart's
+    state in another attribute, as an instance is told by ``state_field``."""
+    return ("" if state_field != "state" else
+            " (a model keeping the chart's state in another attribute, as Chart(model, "
+            "state_field='status') reads it: run(model, state_field='status'))")
+
+
+def _saved_state(model: object, slots: dict[type, bool], field: str = "state") -> object:
+    """The state a model instance holds in its own ``field`` attribute (None: none; ``state``
+    unless the run was given python-statemachine's ``state_field``): in its ``__dict__``, or
+    in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a ``__dict__``: until
+    stop 65 a slotted model's saved state was not read, and the run started in the initial
+    state where an instance restores it). Only the instance's own attributes: a class-level
+    property (calexec's models read their run) is no saved state. ``slots``: the chart's
+    ``state_slots``, where the ``state`` slot is looked for once per model class."""
     own = getattr(model, "__dict__", None)
-    if own and "state" in own:
-        return own["state"]
+    if own and field in own:
+        return own[field]
     cls = type(model)
+    if field != "state":  # (another field: looked up at each run, not cached)
+        return (getattr(model, field, None) if isinstance(
+            inspect.getattr_static(cls, field, None), MemberDescriptorType) else None)
     slotted = slots.get(cls)
     if slotted is None:  # (a racing thread computes the same)
         slotted = slots[cls] = isinstance(inspect.getattr_static(cls, "state", None),

@@ -315,6 +315,7 @@ class StatechartRun:
     def __init__(self, chart: CompiledChart, model: object | None = None,
                  listeners: Iterable[object] = (), callbacks: bool = True, *,
                  skeleton_outcomes: Mapping[str, bool] | None = None,
+                 state_field: str = "state", start_value: object = None,
                  **start_kwargs: object) -> None:
         if not hasattr(chart, "refuse_runs"):  # (a CompiledChart: compiled imports this module)
             raise TypeError(_not_compiled(chart))
@@ -329,7 +330,14 @@ class StatechartRun:
             model = Model()  # type: ignore[no-untyped-call]
         # the chart class forbids assigning state ids; these are not
         object.__setattr__(machine, "model", model)
-        object.__setattr__(machine, "state_field", "state")
+        # (``state_field``/``start_value``: python-statemachine's arguments of an instance;
+        # the run writes no state, but a model's field of that name is no callback, and the
+        # run starts in ``start_value``'s state as an instance whose model holds none does)
+        object.__setattr__(machine, "state_field", state_field)
+        if start_value is not None:
+            chart.start_state(start_value)  # (a value no state has: a ValueError naming it)
+        self._start_values = [start_value] if start_value is not None else list(
+            getattr(declaration, "start_configuration_values", []) or [])
         # what a callback reaches through ``machine`` (or ``self``) is this run: its
         # ``configuration`` (and ``In(...)`` guards), ``send``, ``raise_`` and event calls
         object.__setattr__(machine, "_config", _ConfigurationView(self))
@@ -389,7 +397,7 @@ class StatechartRun:
         owned = _made_class_listeners(declaration, machine, start_kwargs)
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
-            Listener.from_obj(model, skip_attrs={"state"}),
+            Listener.from_obj(model, skip_attrs={state_field}),
             *(Listener.from_obj(listener) for listener in (*owned, *listeners)),
         ))
         resolvers.resolve(declaration._specs, registry=self._registry)
@@ -612,7 +620,7 @@ class StatechartRun:
     def _start(self, **kwargs: object) -> None:
         trigger = BoundEvent(_INITIAL, _sm=self.machine).build_trigger(machine=self.machine,
                                                                        **_data(kwargs))
-        values = list(getattr(self.declaration, "start_configuration_values", []) or [])
+        values = self._start_values
         states_map = self.declaration.states_map
         initial = self.declaration.initial_state
         configuration = [states_map[v] for v in values] if values else [initial]
