@@ -97,6 +97,26 @@ def describe_transition(transition: DeclaredTransition) -> str:
     return f"{transition.source.id} --{events}--> {targets}"
 
 
+def bound_name(declaration: type) -> str:
+    """The name ``declaration``'s module binds it to, what ``MODULE:NAME`` names it by: its
+    ``__qualname__`` when the module binds it so (a class statement at module level), else the
+    first name (sorted) the module binds it to (a chart made by a factory, ``Hotfix =
+    make_pipeline("Pipeline", [...])``: two of them share the class name the factory gave),
+    else its ``__qualname__`` (a class bound by no module name: no reference imports it)."""
+    qualname = declaration.__qualname__
+    module = sys.modules.get(declaration.__module__)
+    names = dict(vars(module)) if module is not None else {}
+    if names.get(qualname) is declaration:
+        return qualname
+    bound = sorted(key for key, value in names.items() if value is declaration)
+    return bound[0] if bound else qualname
+
+
+def reference(declaration: type) -> str:
+    """``module:NAME``, the reference the commands take for ``declaration`` (``bound_name``)."""
+    return f"{declaration.__module__}:{bound_name(declaration)}"
+
+
 def declaring_subclasses(declaration: type) -> list[type]:
     """The subclasses of ``declaration`` (at any depth, defined so far) that declare states,
     in the order they were made: what to name instead of ``declaration`` when it is an

@@ -19,7 +19,7 @@ from typing import Any
 
 from statemachine import StateChart
 
-from calexec.machines.chart_support import named_targets, no_states, same_ids
+from calexec.machines.chart_support import named_targets, no_states, reference, same_ids
 from calexec.machines.mutants import env_text
 
 
@@ -179,7 +179,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
 
 def _reference(declaration: type) -> str:
     """``module:Class``, the reference a command takes for ``declaration``."""
-    return f"{declaration.__module__}:{declaration.__qualname__}"
+    return reference(declaration)
 
 
 #: control characters (C0, DEL, C1) shown escaped in a message: a module's own error text may

@@ -25,7 +25,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import ToolListener, alive
+from calexec.machines.chart_support import ToolListener, alive, reference
 from calexec.machines.compiled import ChartLike, CompiledChart, Transition, compiled
 
 
@@ -214,9 +214,11 @@ def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[Ch
 
 
 def _same_name(name: str, one: type, other: type) -> str:
-    return (f"two chart classes named {name}, {one.__module__}:{one.__qualname__} and "
-            f"{other.__module__}:{other.__qualname__}: coverage counts a transition by its "
-            f"chart's name and id, so their counts would mix; give one class another name")
+    # (by the names their modules bind them to: two charts a factory made in one module share
+    # the class name it gave them, ``stages:Pipeline`` twice, a reference that imports neither)
+    return (f"two chart classes named {name}, {reference(one)} and {reference(other)}: "
+            f"coverage counts a transition by its chart's name and id, so their counts would "
+            f"mix; give one class another name")
 
 
 def describe(transition: Transition) -> str:

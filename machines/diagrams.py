@@ -39,6 +39,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from calexec.machines.chart_support import bound_name
 from calexec.machines.compiled import ChartLike, CompiledChart, Transition, compiled
 
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
@@ -78,7 +79,15 @@ def declared_in(chart: CompiledChart) -> str:
     A byte of the file's name that is no UTF-8 (a module imported from ``caf\xe9.py`` written
     in Latin-1: Python names it with a lone surrogate, which no UTF-8 text can hold) reads
     ``?``: the DOT, SVG and PNG are UTF-8."""
-    path = chart.declaration.__module__.replace(".", "/") + ".py"
+    declaration = chart.declaration
+    path = declaration.__module__.replace(".", "/") + ".py"
+    # a chart its module binds under another name than its class's (``Hotfix =
+    # make_pipeline("Pipeline", ...)``: a factory's charts share the name it gave them) is told
+    # apart by that name: its diagram files, named after the class, are another such chart's
+    # (until stop 70 drawing the second into one --out replaced the first's without a word)
+    name = bound_name(declaration)
+    if name not in (declaration.__name__, declaration.__qualname__):
+        path = f"{path} as {name}"
     return path.encode("utf-8", errors="replace").decode("utf-8")
 
 

@@ -50,7 +50,7 @@ from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.contracts.fields import shown
-from calexec.machines.chart_support import ToolListener, remove_listener
+from calexec.machines.chart_support import ToolListener, bound_name, reference, remove_listener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
     EDGE_ID,
@@ -100,8 +100,9 @@ def _registered_already(name: str, held: CompiledChart, given: CompiledChart) ->
     or another chart of that name (``shop.orders:Order``, ``billing.orders:Order``), which the
     page and its URLs could not tell apart: what to give instead."""
     def where(chart: CompiledChart) -> str:
-        declared = chart.declaration
-        return f"{declared.__module__}:{declared.__qualname__}"
+        # (by the name its module binds it to: two charts a factory made in one module share
+        # the class name it gave them)
+        return reference(chart.declaration)
 
     if held.declaration is given.declaration:
         return (f"register: a chart named {name!r} is already registered: {where(given)}, "
@@ -110,8 +111,8 @@ def _registered_already(name: str, held: CompiledChart, given: CompiledChart) ->
     return (f"register: a chart named {name!r} is already registered: {where(held)}; "
             f"{where(given)} is another chart of that name, which the page and its URLs "
             f"could not tell apart: register it with another name=, e.g. "
-            f"register({given.declaration.__qualname__}, ..., "
-            f"name={given.declaration.__module__ + '.' + given.declaration.__qualname__!r})")
+            f"register({bound_name(given.declaration)}, ..., "
+            f"name={given.declaration.__module__ + '.' + bound_name(given.declaration)!r})")
 
 
 @attrs.define

@@ -67,7 +67,7 @@ from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines import mutants
-from calexec.machines.chart_support import model_callbacks
+from calexec.machines.chart_support import model_callbacks, reference
 from calexec.machines.compiled import (
     ChartLike,
     ChartRun,
@@ -1181,7 +1181,7 @@ def as_data(chart: ChartLike, max_configurations: int | None = None) -> PathsDat
     tour = transition_tour(chart, max_configurations)
     return {
         "chart": chart.name,
-        "class": f"{chart.declaration.__module__}:{chart.declaration.__qualname__}",
+        "class": reference(chart.declaration),
         "initial": chart.initial,
         "finals": sorted(chart.finals),
         "states": {state: _steps_data(walk, chart) for state, walk in walks.items()},

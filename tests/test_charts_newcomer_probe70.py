@@ -6,13 +6,21 @@ and at what it gets wrong."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from statemachine import State, StateChart, StateMachine
 
+from calexec.cli import main as cli
 from calexec.machines.chart_support import UnsupportedChart
 from calexec.machines.compiled import compiled
+from calexec.machines.coverage import TransitionRecorder, track
+from calexec.machines.inspector import Inspector
+from calexec.machines.paths import as_data
 
 
 class Ticket(StateMachine):
@@ -102,3 +110,91 @@ def test_the_general_run_takes_state_field_and_start_value() -> None:
         compiled(Shipment).run(_row())
     with pytest.raises(ValueError, match=r"^Shipment: start_value=7 is the value of none"):
         compiled(Shipment).run(_row(), state_field="status", start_value=7)
+
+
+_FACTORY = '''
+from statemachine import State, StateMachine
+
+
+def make_pipeline(name, stages):
+    attrs = {"draft": State(initial=True), "done": State(final=True)}
+    attrs.update({stage: State() for stage in stages})
+    order = ["draft", *stages, "done"]
+    advance = attrs[order[0]].to(attrs[order[1]])
+    for a, b in zip(order[1:], order[2:]):
+        advance = advance | attrs[a].to(attrs[b])
+    attrs.update(advance=advance, __module__=__name__)
+    return type(name, (StateMachine,), attrs)
+
+
+Hotfix = make_pipeline("Pipeline", ["patch", "verify"])
+Feature = make_pipeline("Pipeline", ["design", "build", "review"])
+Release = make_pipeline("Release", ["build"])
+'''
+
+
+@pytest.fixture
+def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    (tmp_path / "stages70.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stages70", raising=False)
+    return importlib.import_module("stages70")
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="needs graphviz's dot")
+def test_two_charts_a_factory_made_in_one_module_do_not_replace_each_others_diagrams(
+        factory: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """``Hotfix`` and ``Feature``, both made by ``make_pipeline("Pipeline", ...)`` in one
+    module, draw to ``Pipeline.dot``: ``charts draw stages70:Feature`` replaced Hotfix's
+    diagram without a word (the check of another chart's file compared the module only), and
+    ``--check`` of Hotfix then named a fix that replaced Feature's in turn."""
+    assert cli(["charts", "draw", "stages70:Hotfix", "--out", "d"]) == 0
+    hotfix = Path("d/Pipeline.dot").read_text()
+    assert 'label="Pipeline (declared in stages70.py as Hotfix)"' in hotfix
+    capsys.readouterr()
+    assert cli(["charts", "draw", "stages70:Feature", "--out", "d"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "calexec charts draw: stages70:Feature: d/Pipeline.dot is the diagram of another chart "
+        "named Pipeline, declared in stages70.py as Hotfix (this one is declared in stages70.py "
+        "as Feature); draw one of them into another --out, or delete d/Pipeline.dot to "
+        "replace it")
+    assert Path("d/Pipeline.dot").read_text() == hotfix
+    assert cli(["charts", "draw", "stages70:Hotfix", "--out", "d", "--check"]) == 0
+    assert cli(["charts", "draw", "stages70:Feature", "--out", "d", "--check"]) == 1
+    assert "the diagram of another chart named Pipeline, declared in stages70.py as Hotfix" in (
+        capsys.readouterr().err)
+    # a chart bound under its own class name is titled as before
+    assert cli(["charts", "draw", "stages70:Release", "--out", "d"]) == 0
+    assert 'label="Release (declared in stages70.py)"' in Path("d/Release.dot").read_text()
+
+
+def test_two_charts_a_factory_made_are_named_by_the_names_their_module_gives_them(
+        factory: ModuleType) -> None:
+    """Coverage and the live view refused the second factory chart of one class name naming
+    both ``stages70:Pipeline``, a reference that imports neither, and the inspector suggested
+    ``register(Pipeline, ..., name='stages70.Pipeline')``; ``as_data``'s ``class`` was that
+    reference too. They are named as their module binds them, the references the commands
+    take."""
+    hotfix, feature = factory.Hotfix, factory.Feature
+    recorder = TransitionRecorder()
+    undo = track(hotfix, recorder)
+    try:
+        with pytest.raises(ValueError) as refused:
+            track(feature, recorder)
+    finally:
+        undo()
+    assert str(refused.value).startswith(
+        "two chart classes named Pipeline, stages70:Hotfix and stages70:Feature: ")
+    inspector = Inspector()
+    inspector.register(hotfix, counts=lambda: {})
+    with pytest.raises(ValueError) as refused:
+        inspector.register(feature, counts=lambda: {})
+    assert str(refused.value) == (
+        "register: a chart named 'Pipeline' is already registered: stages70:Hotfix; "
+        "stages70:Feature is another chart of that name, which the page and its URLs could not "
+        "tell apart: register it with another name=, e.g. register(Feature, ..., "
+        "name='stages70.Feature')")
+    inspector.register(feature, counts=lambda: {}, name="stages70.Feature")
+    assert as_data(feature)["class"] == "stages70:Feature"
+    assert as_data(factory.Release)["class"] == "stages70:Release"
