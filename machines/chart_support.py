@@ -231,6 +231,10 @@ def undeclared_targets(declaration: type[StateChart[Any]]) -> list[str]:
             for target in transition.targets:
                 if id(target) in own or not hasattr(target, "id"):
                     continue  # (a str target: python-statemachine refuses the class itself)
+                heir = _heir_holding(declaration, target)
+                if heir is not None:
+                    found.append(_added_by_subclass(declaration, state, transition, target, heir))
+                    continue
                 label, whose = _foreign(declaration, target)
                 if label in by_id:
                     whose += f", another object than its own {label!r}"
@@ -278,6 +282,33 @@ def _unparsable(text: str) -> str | None:
     except UnsupportedExpression as err:
         return str(err)
     return None
+
+
+def _heir_holding(declaration: type, target: object) -> type | None:
+    """The first subclass of ``declaration`` (at any depth, defined so far) that declares the
+    state ``target``, or None."""
+    for subclass in declaring_subclasses(declaration):
+        if any(state is target for state in subclass.states_map.values()):
+            return subclass
+    return None
+
+
+def _added_by_subclass(declaration: type, state: Any, transition: DeclaredTransition,
+                       target: Any, heir: type) -> str:
+    """The refusal of a transition a subclass added to its base chart's state
+    (``pause = Base.running.to(paused)`` in ``Pausable(Base)``): python-statemachine shares a
+    base's ``State`` objects with its subclasses, so the base holds the transition too."""
+    name, events = declaration.__name__, "|".join(str(e) for e in transition.events)
+    shown = events or "(eventless)"
+    added = f"{events} = " if events else ""
+    return (f"transition {state.id} --{shown}--> {target.id} goes to a state {target.id!r} "
+            f"{name} does not declare: its subclass {heir.__name__} added it to {name}'s own "
+            f"state {state.id!r} ({added}{name}.{state.id}.to({target.id}) in "
+            f"{heir.__name__}'s class body; python-statemachine shares a base chart's states "
+            f"with its subclasses, so {name} holds the transition too, and an instance of "
+            f"{name} taking it fails, InvalidStateValue); a subclass may add transitions out of "
+            f"its own states only: make both charts from one factory, or declare "
+            f"{heir.__name__} whole, or name {reference(heir)}, which takes it")
 
 
 def _foreign(declaration: type[StateChart[Any]], target: Any) -> tuple[str, str]:

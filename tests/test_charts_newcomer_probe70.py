@@ -14,10 +14,11 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 from statemachine import State, StateChart, StateMachine
+from statemachine.exceptions import InvalidStateValue
 
 from calexec.cli import main as cli
 from calexec.machines.chart_support import UnsupportedChart
-from calexec.machines.compiled import compiled
+from calexec.machines.compiled import compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, track
 from calexec.machines.inspector import Inspector
 from calexec.machines.paths import as_data
@@ -198,3 +199,44 @@ def test_two_charts_a_factory_made_are_named_by_the_names_their_module_gives_the
     inspector.register(feature, counts=lambda: {}, name="stages70.Feature")
     assert as_data(feature)["class"] == "stages70:Feature"
     assert as_data(factory.Release)["class"] == "stages70:Release"
+
+
+class Machine(StateMachine):
+    idle = State(initial=True)
+    running = State()
+    stopped = State(final=True)
+    start = idle.to(running)
+    stop = running.to(stopped) | idle.to(stopped)
+
+
+class PausableMachine(Machine):
+    paused = State()
+    pause = Machine.running.to(paused)
+    resume = paused.to(Machine.running)
+    halt = paused.to(Machine.stopped)
+
+
+def test_a_transition_a_subclass_added_to_its_base_chart_is_named_as_such() -> None:
+    """``PausableMachine(Machine)`` adding ``pause = Machine.running.to(paused)`` adds it to
+    ``Machine``'s own ``running`` (python-statemachine shares the State objects): every tool
+    refused ``Machine`` saying ``goes to a state 'paused' Machine does not declare (chart
+    PausableMachine's state ...); declare the state in Machine and go to that one``, a remedy
+    that puts the subclass's state into the base the team meant to keep without it, and
+    nothing said the subclass did it."""
+    machine = Machine()
+    machine.send("start")
+    with pytest.raises(InvalidStateValue):
+        machine.send("pause")  # what python-statemachine does with it
+    with pytest.raises(UnsupportedChart) as refused:
+        compile_chart(Machine)
+    message = str(refused.value)
+    assert ("transition running --pause--> paused goes to a state 'paused' Machine does not "
+            "declare: its subclass PausableMachine added it to Machine's own state 'running' "
+            "(pause = Machine.running.to(paused) in PausableMachine's class body; "
+            "python-statemachine shares a base chart's states with its subclasses") in message
+    assert message.endswith(
+        "a subclass may add transitions out of its own states only: make both charts from one "
+        f"factory, or declare PausableMachine whole, or name {__name__}:PausableMachine, which "
+        "takes it"), message
+    assert "declare the state in Machine" not in message
+    assert compiled(PausableMachine).run(None).state == "idle"  # the subclass is taken
