@@ -85,7 +85,8 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     Returns the call that undoes both, the listener removed from every instance it joined."""
     shared = compiled(chart)
     _recorder(recorder, "track")
-    shared.refuse_runs()  # (its own async callbacks: no run to record)
+    # (a chart with async callbacks of its own: no compiled run of it is made, but its
+    # python-statemachine instances, run on the async engine, call the listener as any does)
     recorder.claim(shared)
     listener = TransitionListener(shared, recorder)
     declaration = shared.declaration

@@ -381,8 +381,9 @@ class PathLog:
             trail = _Trail(self.steps, shared, run)
             run.keep_trail(trail, self._clock)
         elif isinstance(run, StateChart):
+            # (a chart with async callbacks of its own: its instance, run on the async
+            # engine, calls the listener as any does)
             shared = compiled(chart if chart is not None else type(run))
-            shared.refuse_runs()  # (its own async callbacks: no run to follow)
             trail = _Trail(self.steps, shared, run)
             listener = _TrailListener(shared, trail, self._clock)
             run.add_listener(listener)  # type: ignore[no-untyped-call]
@@ -498,8 +499,7 @@ class Inspector:
         or both/neither of runs, counts, or an empty or blank ``name``; ``TypeError`` for one of
         runs, counts, active that is not a function (a list of runs, not a function returning
         it), or a ``name`` that is not a str."""
-        shared = compiled(chart)
-        shared.refuse_runs()  # (its own async callbacks: no run to show)
+        shared = compiled(chart)  # (async callbacks of its own: its instances are shown)
         if name is not None and not isinstance(name, str):  # (the page failed 500 on it)
             raise TypeError(f"register({shared.name}): name={name!r:.60}: expected a str, the "
                             f"chart's name in the page and its URL")

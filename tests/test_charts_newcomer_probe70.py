@@ -6,6 +6,7 @@ and at what it gets wrong."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import shutil
 import sys
@@ -19,7 +20,7 @@ from statemachine.exceptions import InvalidStateValue
 from calexec.cli import main as cli
 from calexec.machines.chart_support import UnsupportedChart
 from calexec.machines.compiled import compile_chart, compiled
-from calexec.machines.coverage import TransitionRecorder, track
+from calexec.machines.coverage import ChartCoverage, TransitionRecorder, report, track
 from calexec.machines.inspector import Inspector
 from calexec.machines.paths import as_data
 
@@ -240,3 +241,73 @@ def test_a_transition_a_subclass_added_to_its_base_chart_is_named_as_such() -> N
         "takes it"), message
     assert "declare the state in Machine" not in message
     assert compiled(PausableMachine).run(None).state == "idle"  # the subclass is taken
+
+
+class Fetcher(StateChart):
+    idle = State(initial=True)
+    fetching = State()
+    ready = State()
+    failed = State(final=True)
+
+    fetch = idle.to(fetching, cond="has_url")
+    got = fetching.to(ready, cond="payload_ok") | fetching.to(failed)
+    retry = ready.to(fetching)
+
+    async def on_enter_fetching(self) -> None:
+        await asyncio.sleep(0)
+        self.model.log.append("fetching")
+
+    async def has_url(self) -> bool:
+        await asyncio.sleep(0)
+        return bool(self.model.url)
+
+
+class FetchJob:
+    def __init__(self, url: str = "http://x", ok: bool = True) -> None:
+        self.url, self.ok, self.log = url, ok, []
+
+    def payload_ok(self) -> bool:
+        return self.ok
+
+
+def test_coverage_and_the_live_view_follow_an_async_charts_instances() -> None:
+    """A chart with an async guard and an async action, used from asyncio as
+    python-statemachine documents it (``await sm.activate_initial_state()``, ``await
+    sm.send(...)``): coverage (``track``, so the pytest plugin and ``charts cover``) and the live
+    view's ``register`` and ``paths.follow`` refused it (``transition coverage does not support
+    yet: async callback 'has_url' ...``), though they listen to python-statemachine instances,
+    which the async engine calls as the sync one does: an async team could neither gate its
+    tests' coverage nor show its chart live. A compiled run of it is still refused."""
+    recorder = TransitionRecorder()
+    undo = track(Fetcher, recorder)
+    inspector = Inspector()
+    machines: list[Fetcher] = []
+    inspector.register(Fetcher, runs=lambda: machines)
+
+    async def main() -> None:
+        for job, events in ((FetchJob(), ("fetch", "got", "retry")),
+                            (FetchJob(ok=False), ("fetch", "got")),
+                            (FetchJob(url=""), ("fetch",))):
+            machine = Fetcher(job)
+            await machine.activate_initial_state()
+            machines.append(machine)
+            inspector.paths.follow(f"f{len(machines)}", machine)
+            for event in events:
+                await machine.send(event)
+
+    try:
+        asyncio.run(main())
+    finally:
+        undo()
+    assert report([Fetcher], recorder) == [
+        ChartCoverage(chart="Fetcher", declared=4, covered=4, untaken=())]
+    live = inspector.live()["charts"]["Fetcher"]
+    assert live["counts"] == {"idle": 1, "fetching": 1, "ready": 0, "failed": 1}
+    record = inspector.paths.record("f1")
+    assert record is not None
+    assert [(step["event"], step["from"], step["to"]) for step in record["trail"]] == [
+        ("fetch", "idle", "fetching"), ("got", "fetching", "ready"),
+        ("retry", "ready", "fetching")]
+    with pytest.raises(UnsupportedChart, match=r"^Fetcher: the compiled form does not support "
+                       r"yet: async callback 'has_url' on transition idle --fetch--> fetching"):
+        compiled(Fetcher).run(FetchJob())
