@@ -288,7 +288,7 @@ def _heir_holding(declaration: type, target: object) -> type | None:
     """The first subclass of ``declaration`` (at any depth, defined so far) that declares the
     state ``target``, or None."""
     for subclass in declaring_subclasses(declaration):
-        if any(state is target for state in subclass.states_map.values()):
+        if any(state is target for state in getattr(subclass, "states_map", {}).values()):
             return subclass
     return None
 
