@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import inspect
 import os
 import pkgutil
 import signal
@@ -166,9 +167,16 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             _refuse_shadowed(ref, root, module_name, module)
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)"
+                                f"{_class_name_of(owner, module_name, part)}"
                                 f"{_near_chart(owner, part) or _no_chart(module)}")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
         _refuse_shadowed(ref, root, module_name, module)
+        if inspect.isfunction(found):  # (a chart factory, say: its repr is an address)
+            raise ChartRefError(ref, f"{class_name} is a function, not a python-statemachine "
+                                f"chart class (a StateMachine or StateChart subclass): a chart "
+                                f"a function makes is named by the name its module binds it "
+                                f"to (Chart = {class_name}(...), then {module_name}:Chart)"
+                                f"{_near_chart(owner, '') or _no_chart(module)}")
         raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass){_near_chart(owner, '') or _no_chart(module)}")
@@ -332,6 +340,22 @@ def _found_below(root: str, module_name: str, depth: int = 3, budget: int = 2000
 
 def _is_chart(value: object) -> bool:
     return isinstance(value, type) and issubclass(value, StateChart) and bool(value.states)
+
+
+def _class_name_of(owner: object, module_name: str, name: str) -> str:
+    """``; 'Pipeline' is the class name of stages:Feature, stages:Hotfix ...`` when ``owner``
+    binds charts whose class is called ``name`` under other names (charts a factory made:
+    their diagrams, coverage lines and live page show the class name), "" otherwise."""
+    try:
+        bound = sorted(key for key, value in vars(owner).items()
+                       if isinstance(key, str) and _is_chart(value) and value.__name__ == name)
+    except TypeError:  # an object without __dict__
+        return ""
+    if not bound:
+        return ""
+    return (f"; {name!r} is the class name of "
+            f"{', '.join(f'{module_name}:{key}' for key in bound[:8])} (charts bound under "
+            f"other names, as a factory's are): name {'it' if len(bound) == 1 else 'one'} so")
 
 
 def _near_chart(owner: object, name: str) -> str:

@@ -311,3 +311,24 @@ def test_coverage_and_the_live_view_follow_an_async_charts_instances() -> None:
     with pytest.raises(UnsupportedChart, match=r"^Fetcher: the compiled form does not support "
                        r"yet: async callback 'has_url' on transition idle --fetch--> fetching"):
         compiled(Fetcher).run(FetchJob())
+
+
+def test_a_factory_or_its_class_name_given_for_a_chart_says_what_to_name(
+        factory: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts paths stages70:make_pipeline`` (the factory, not a chart it made) said
+    ``make_pipeline is function <function make_pipeline at 0x7f...>, not a python-statemachine
+    chart class``; ``stages70:Pipeline``, the class name the diagrams, coverage lines and live
+    page show for ``Hotfix`` and ``Feature``, said ``module 'stages70' has no attribute
+    'Pipeline'`` with no word that it is their class name."""
+    assert cli(["charts", "paths", "stages70:make_pipeline"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "calexec charts paths: 'stages70:make_pipeline': make_pipeline is a function, not a "
+        "python-statemachine chart class (a StateMachine or StateChart subclass): a chart a "
+        "function makes is named by the name its module binds it to (Chart = "
+        "make_pipeline(...), then stages70:Chart); its chart classes: Feature, Hotfix, Release")
+    assert cli(["charts", "draw", "stages70:Pipeline", "--out", "d"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "calexec charts draw: 'stages70:Pipeline': module 'stages70' has no attribute "
+        "'Pipeline' (expected a chart class there); 'Pipeline' is the class name of "
+        "stages70:Feature, stages70:Hotfix (charts bound under other names, as a factory's "
+        "are): name one so; its chart classes: Feature, Hotfix, Release")
