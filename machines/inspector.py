@@ -201,6 +201,12 @@ def _by_value(chart: CompiledChart, answered: object, verb: str = "answer") -> s
         state = chart.state_of(answered)
     except Exception:  # noqa: BLE001 - an unhashable answer: no value of a state
         return ""
+    if state is None and isinstance(answered, str):
+        # a query's text for a value of another type (``?active=30`` of ``State(value=30)``:
+        # a query holds text only; until stop 70 no hint, where ``?active=P`` got one)
+        state = next((str(declared.id) for declared in chart.declaration.states_map.values()
+                      if not isinstance(declared.value, str)
+                      and str(declared.value) == answered), None)
     if state is None or state == answered:
         return _by_name(chart, answered, verb)
     return f"; {shown(answered, 60)} is the value of state {state}: {verb} its id, {state}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import shutil
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -144,7 +143,7 @@ def factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("stages70")
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="needs graphviz's dot")
+@pytest.mark.requires_tool("dot")
 def test_two_charts_a_factory_made_in_one_module_do_not_replace_each_others_diagrams(
         factory: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
     """``Hotfix`` and ``Feature``, both made by ``make_pipeline("Pipeline", ...)`` in one
@@ -332,3 +331,25 @@ def test_a_factory_or_its_class_name_given_for_a_chart_says_what_to_name(
         "'Pipeline' (expected a chart class there); 'Pipeline' is the class name of "
         "stages70:Feature, stages70:Hotfix (charts bound under other names, as a factory's "
         "are): name one so; its chart classes: Feature, Hotfix, Release")
+
+
+@pytest.mark.requires_tool("dot")
+def test_a_states_int_value_in_the_live_views_query_says_to_give_its_id() -> None:
+    """``/charts/Ticket.svg?active=30`` of ``in_progress = State(value=30)`` (the DB column's
+    value a team has in hand) said only ``not a state of "Ticket" (...)``, where a text value,
+    ``?active=P`` of ``State(value="P")``, ends with the state it is the value of: a query holds
+    text, which no int value equals."""
+    pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+    from starlette.testclient import TestClient
+
+    from calexec.machines.inspector import inspector_app
+
+    inspector = Inspector()
+    inspector.register(Ticket, counts=lambda: {"in_progress": 2})
+    client = TestClient(inspector_app(inspector))
+    answer = client.get("/Ticket.svg", params={"active": "30"})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == (
+        'active="30": not a state of "Ticket" (its states, by id: new, triaged, in_progress, '
+        'closed); "30" is the value of state in_progress: give its id, in_progress')
+    assert client.get("/Ticket.svg", params={"active": "in_progress"}).status_code == 200
