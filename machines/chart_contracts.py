@@ -108,8 +108,7 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
     declaration: a contract naming an unknown state or event is a ``ValueError`` naming it."""
     from calexec.machines.compiled import compiled
 
-    shared = compiled(chart)
-    shared.refuse_runs()  # (its own async callbacks: no run to check)
+    shared = compiled(chart)  # (async callbacks of its own: its instances are checked)
     found: dict[str, Contract] = {}
     for klass in reversed(shared.declaration.__mro__):
         for attr, value in vars(klass).items():

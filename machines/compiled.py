@@ -194,13 +194,18 @@ class CompiledChart:
         return {str(state.id): state for state in self.declaration.states_map.values()}
 
     def refuse_runs(self, tool: str = "the compiled form") -> None:
-        """Raise ``UnsupportedChart`` when no run of this chart can be followed (its own
-        async callbacks): what every tool that runs it (``run``, coverage, contracts, the
-        live view) calls first; mutation refuses the chart by ``unsupported``."""
+        """Raise ``UnsupportedChart`` when no compiled run of this chart can be made (its own
+        async callbacks): what ``run``, ``StatechartRun`` and ``recording`` (compiled runs
+        only) call first. Coverage (``track``), contracts, the live view and mutation take
+        such a chart's python-statemachine instances (since stop 70), which its async engine
+        runs: the refusal says so."""
         if self.unrunnable:
             raise UnsupportedChart(
                 f"{self.name}: {tool} does not support yet: {'; '.join(self.unrunnable)} "
-                f"(a run of it is refused; diagrams and paths take the chart)")
+                f"(a compiled run of it is refused: test instances of {self.declaration.__name__}, "
+                f"which python-statemachine's async engine runs (await machine.send(...)) and "
+                f"coverage, contracts, the live view and mutation follow; diagrams and paths "
+                f"take the chart)")
 
     def record_of(self, transition: DeclaredTransition, event: object) -> Transition | None:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the

@@ -293,8 +293,9 @@ def test_an_async_callback_on_a_history_default_is_refused_naming_it() -> None:
     named = "async callback 'fetch' on transition h --(eventless)--> c"
     with pytest.raises(UnsupportedChart, match=re.escape(named)):
         compiled(Fetching).run(None)  # (was: blamed on "the model or a listener")
-    with pytest.raises(UnsupportedChart, match=re.escape(named)):
-        mutants.derive(Fetching)  # (was: mutated, its runs then refused)
+    # mutation takes it since stop 70 (its test command runs the chart's instances on
+    # python-statemachine's async engine); the history's default is mutated as any
+    assert "drop:h-->c" in {mutant.id for mutant in mutants.derive(Fetching)}
 
 
 def test_a_long_lived_instance_followed_again_and_again_keeps_one_trail_listener() -> None:

@@ -227,7 +227,7 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     except ChartRefError as err:
         raise ValueError(f"--chart={spec!r}: {err.reason}") from None
     try:
-        refuse_unsupported(declaration, "chart mutation")
+        refuse_unsupported(declaration, "chart mutation", runs=False)  # (async: its instances)
     except UnsupportedChart as err:  # named by the flag, as charts cover's --chart is
         raise ValueError(f"--chart={spec!r}: {err}") from None
     class_name = target.partition(":")[2]
