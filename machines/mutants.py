@@ -461,7 +461,14 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
 
     def init(cls: Any, *args: Any, **kwargs: Any) -> None:
         created(cls, *args, **kwargs)
-        if cls.__module__ == module_name and cls.__qualname__ == class_name:
+        # a class statement of the module's own body only (its namespace names it): a class a
+        # factory makes (``Hotfix = make_pipeline("Pipeline", ...)``, ``type(...)``) bears the
+        # name it was given, which may be another chart's name in that module; it is mutated
+        # once bound, by ``mutate`` (until stop 70 the first class of that name made was:
+        # ``fac:Pipeline``'s mutants went to ``Hotfix``, all surviving or never applied)
+        namespace = args[2] if len(args) > 2 else kwargs.get("attrs")
+        if (cls.__module__ == module_name and cls.__qualname__ == class_name
+                and isinstance(namespace, dict) and namespace.get("__qualname__") == class_name):
             mutate_class(cls)
 
     meta.__init__ = init  # type: ignore[method-assign]  # the process runs one mutant: its hook

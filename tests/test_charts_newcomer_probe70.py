@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -418,3 +420,33 @@ def test_contracts_and_mutation_take_an_async_charts_instances() -> None:
         "(a compiled run of it is refused: test instances of AsyncDoor, which "
         "python-statemachine's async engine runs (await machine.send(...)) and coverage, "
         "contracts, the live view and mutation follow; diagrams and paths take the chart)")
+
+
+def test_a_mutant_goes_to_the_chart_named_not_to_a_factory_chart_of_its_class_name(
+        tmp_path: Path) -> None:
+    """``charts mutate fac70:Pipeline`` of a module whose ``Hotfix = make_pipeline("Pipeline",
+    ...)`` is made before ``Pipeline = make_pipeline("Pipeline", ...)``: the hook applying a
+    mutant as its class is created took the first class named ``Pipeline``, Hotfix's, so
+    ``drop:build-advance->test`` was applied to Hotfix and survived (and a mutant naming a state
+    Hotfix lacks was "never applied"): 12 mutants, 0 killed, where the team's test kills all."""
+    (tmp_path / "fac70.py").write_text(_FACTORY.replace(
+        'Hotfix = make_pipeline("Pipeline", ["patch", "verify"])',
+        'Hotfix = make_pipeline("Pipeline", ["build", "test"])').replace(
+        'Feature = make_pipeline("Pipeline", ["design", "build", "review"])',
+        'Pipeline = make_pipeline("Pipeline", ["build", "test", "stage"])'))
+    code = ("from calexec.machines import mutants\n"
+            "mutants.install_from_env()\n"
+            "import fac70\n"
+            "def edges(chart):\n"
+            "    return sorted(f'{t.source.id}->{t.target.id}' for s in chart.states\n"
+            "                  for t in s.transitions)\n"
+            "print(edges(fac70.Hotfix))\n"
+            "print(edges(fac70.Pipeline))\n")
+    env = {**os.environ, mutants.ENV: "fac70:Pipeline@drop:build-advance->test",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    hotfix, pipeline = done.stdout.splitlines()
+    assert "build->test" in hotfix  # untouched
+    assert "build->test" not in pipeline and "test->stage" in pipeline
