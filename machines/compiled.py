@@ -448,20 +448,20 @@ def _other_field(state_field: str) -> str:
 
 
 def _saved_state(model: object, slots: dict[type, bool], field: str = "state") -> object:
-    """The state a model instance holds in its own ``field`` attribute (None: none; ``state``
-    unless the run was given python-statemachine's ``state_field``): in its ``__dict__``, or
-    in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a ``__dict__``: until
-    stop 65 a slotted model's saved state was not read, and the run started in the initial
-    state where an instance restores it). Only the instance's own attributes: a class-level
-    property (calexec's models read their run) is no saved state. ``slots``: the chart's
-    ``state_slots``, where the ``state`` slot is looked for once per model class."""
+    """The state a model instance holds in its own ``state`` attribute (None: none): in its
+    ``__dict__``, or in a slot (``@dataclass(slots=True)``, or a slotted base's beneath a
+    ``__dict__``: until stop 65 a slotted model's saved state was not read, and the run started
+    in the initial state where an instance restores it). Only the instance's own attributes:
+    a class-level property (calexec's models read their run) is no saved state. ``slots``: the
+    chart's ``state_slots``, where the slot is looked for once per model class. A ``field``
+    other than ``state`` (python-statemachine's ``state_field``, given by the caller) is read
+    as an instance reads it, ``getattr``: a property or an ORM column's descriptor too."""
+    if field != "state":  # a model's own field (``state_field``): read as an instance reads
+        return getattr(model, field, None)  # it, a property or a column descriptor too
     own = getattr(model, "__dict__", None)
-    if own and field in own:
-        return own[field]
+    if own and "state" in own:
+        return own["state"]
     cls = type(model)
-    if field != "state":  # (another field: looked up at each run, not cached)
-        return (getattr(model, field, None) if isinstance(
-            inspect.getattr_static(cls, field, None), MemberDescriptorType) else None)
     slotted = slots.get(cls)
     if slotted is None:  # (a racing thread computes the same)
         slotted = slots[cls] = isinstance(inspect.getattr_static(cls, "state", None),

@@ -73,6 +73,22 @@ def test_a_run_reads_the_state_field_an_instance_is_given() -> None:
     assert row.status == 30  # (the run writes no state)
     bare = SimpleNamespace(status=20)
     assert compiled(Ticket).run(bare, state_field="status").state == "triaged"
+
+    class Record:  # the column read through a property, as an ORM's descriptor answers it
+        def __init__(self, status: int) -> None:
+            self._row = {"status": status}
+
+        @property
+        def status(self) -> int:
+            return self._row["status"]
+
+        @status.setter
+        def status(self, value: int) -> None:
+            self._row["status"] = value
+
+    assert [s.id for s in Ticket(Record(30), state_field="status").configuration] == [
+        "in_progress"]
+    assert compiled(Ticket).run(Record(30), state_field="status").state == "in_progress"
     with pytest.raises(ValueError) as refused:
         compiled(Ticket).run(_row(status=30))
     assert str(refused.value).endswith(
