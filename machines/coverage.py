@@ -25,7 +25,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import ToolListener, alive, reference
+from calexec.machines.chart_support import ToolListener, alive, bound_name, reference
 from calexec.machines.compiled import ChartLike, CompiledChart, Transition, compiled
 
 
@@ -249,8 +249,9 @@ def other_imports(chart: ChartLike) -> list[str]:
             continue
         if not same:  # (another file's module: never asked for the name, its __getattr__ may raise)
             continue
-        try:
-            twin = getattr(module, declaration.__name__, None)
+        try:  # (by the name its module binds it to: a factory's chart, ``Hotfix``, bears
+            # the class name it was given, ``Pipeline``, which its module binds to nothing)
+            twin = getattr(module, bound_name(declaration), None)
         except Exception:  # noqa: BLE001 - a module's own __getattr__ may raise anything
             continue
         if isinstance(twin, type) and twin is not declaration:

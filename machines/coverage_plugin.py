@@ -375,6 +375,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
 def _twin_notes(config: pytest.Config, state: _Session) -> list[str]:
     """One hint per chart file the tests imported under a second module name too (its runs
     there are another class's, not counted)."""
+    from calexec.machines.chart_support import bound_name
     from calexec.machines.coverage import import_directory, other_imports
 
     notes = []
@@ -392,5 +393,5 @@ def _twin_notes(config: pytest.Config, state: _Session) -> list[str]:
             notes.append(
                 f"transition coverage {declaration.__name__}: the tests imported its file as "
                 f"module {twin!r} too, another class whose runs are not counted: name the "
-                f"chart as they import it ({twin}:{declaration.__name__}{path})")
+                f"chart as they import it ({twin}:{bound_name(declaration)}{path})")
     return notes

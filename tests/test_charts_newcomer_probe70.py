@@ -466,3 +466,26 @@ def test_a_mutant_goes_to_the_chart_named_not_to_a_factory_chart_of_its_class_na
     hotfix, pipeline = done.stdout.splitlines()
     assert "build->test" in hotfix  # untouched
     assert "build->test" not in pipeline and "test->stage" in pipeline
+
+
+def test_the_other_import_hint_names_a_factory_chart_by_its_module_s_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts cover --chart app70.stages70b:Hotfix`` while the command imports the same file
+    as ``stages70b`` (its directory on ``sys.path``): the hint named the reference to give by
+    the class name the factory gave, ``--chart=stages70b:Pipeline``, which names no chart (the
+    plugin's the same)."""
+    package = tmp_path / "app70"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "stages70b.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    script = (f"import sys\nsys.path.insert(0, {str(package)!r})\n"
+              "from stages70b import Hotfix\nHotfix().send('advance')\n")
+    assert cli(["charts", "cover", "--chart", "app70.stages70b:Hotfix", "--",
+                sys.executable, "-c", script]) == 0
+    out = capsys.readouterr().out
+    assert ("transition coverage Pipeline: the command imported its file as module 'stages70b' "
+            "too, another class whose runs are not counted: name the chart as it imports it "
+            "(--chart=stages70b:Hotfix, with PYTHONPATH=app70") in out, out

@@ -31,6 +31,7 @@ from calexec.cliargs import EXIT_FAILED, UserError, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
 from calexec.drivers.tools.bench.subproc import call_group
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
+from calexec.machines.chart_support import bound_name
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.coverage import (
@@ -201,7 +202,7 @@ def main(argv: list[str]) -> int:
         for name in other.get(ref, []):
             print(f"transition coverage {chart.name}: the command imported its file as module "
                   f"{name!r} too, another class whose runs are not counted: name the chart as "
-                  f"it imports it (--chart={name}:{chart.declaration.__name__}"
+                  f"it imports it (--chart={name}:{bound_name(chart.declaration)}"
                   f"{path_for(chart, name)})")
     for coverage in report(charts, recorder):
         print(coverage.line() + f" ({coverage.percent:.1f} %)")
