@@ -406,7 +406,11 @@ def _resumer(max_resumes: int = 2, budget_s: float = 10.0):
     """A :class:`Resumer` on a stand-in service: its config, its metrics registry, an admission
     queue answering a fresh id at once, and the release path recording what it freed."""
     freed: list[int] = []
+
+    async def in_worker(fn, *args):  # (the service's threads: the call itself will do here)
+        return fn(*args)
     service = types.SimpleNamespace(
+        in_worker=in_worker,
         config=types.SimpleNamespace(max_resumes=max_resumes, resume_budget_s=budget_s),
         metrics=types.SimpleNamespace(registry=CollectorRegistry()),
         admission=types.SimpleNamespace(try_admit=lambda resume: 9),

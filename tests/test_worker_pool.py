@@ -31,7 +31,14 @@ from calexec.drivers.serving.threads import WorkerPool
 from calexec.drivers.tools.interleave import explore_threads
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor
-from test_server_support import LiveServer, oracle_tokens, server_idle, started_executor, wait_for
+from test_server_support import (
+    LiveServer,
+    metric_value,
+    oracle_tokens,
+    server_idle,
+    started_executor,
+    wait_for,
+)
 from thread_starts import recording_thread_starts
 
 WAIT_S = 30.0
@@ -157,7 +164,7 @@ def test_a_worker_the_host_refuses_to_start_is_asked_for_again(monkeypatch, capl
 
 def test_a_call_raising_stop_iteration_fails_the_awaiting_loop_with_a_runtime_error():
     """The server awaits the pool's futures on its event loop (``asyncio.wrap_future``:
-    ``_in_worker``, ``_release_shielded``), and an asyncio future refuses ``StopIteration``
+    ``in_worker``, ``_release_shielded``), and an asyncio future refuses ``StopIteration``
     (``TypeError`` in the loop's callback, the awaiting future never done): a call that
     raised it left its request waiting forever (shielded: not even its deadline ended it)
     with its limiter token. Now a ``RuntimeError`` from it, as anyio's ``to_thread``
@@ -414,7 +421,7 @@ def test_a_step_raising_stop_iteration_is_a_500_not_a_wait_for_the_deadline(tmp_
     """A request whose step's call raises ``StopIteration`` in a thread (its enqueue, here)
     is answered at once with the 500 of an unexpected error, as any other exception and as
     anyio's ``to_thread`` answered it. Since stop 70 the step's thread answered through an
-    asyncio future (``_in_worker``; a burst's ``_settle_answer`` since stop 69), which refuses
+    asyncio future (``in_worker``; a burst's ``_settle_answer`` since stop 69), which refuses
     ``StopIteration``: the answer never came, and the request waited for its deadline (a
     504), or for ever where the wait was shielded (a sampled pick, a grammar's start)."""
     executor = started_executor(tmp_path, executor_class=_RaisingExecutor)
@@ -433,3 +440,81 @@ def test_a_step_raising_stop_iteration_is_a_500_not_a_wait_for_the_deadline(tmp_
             wait_for(lambda: server_idle(app.state.service), WAIT_S, "the server idle")
     finally:
         executor.shutdown(5.0)
+
+
+def test_the_event_loop_starts_no_thread_for_a_resume_or_a_grammar(tmp_path):
+    """A request whose decode job faults (CCU exception) is resumed on a fresh sequence: the
+    failed one's stream is closed and its id released from the loop's side (``resume.py``);
+    a request with ``response_format`` has its grammar compiled in a worker thread
+    (``openai_api``'s ``compiled``). Neither makes the event loop start a thread: both went
+    to anyio's ``to_thread`` until stop 70, which starts one whenever none is idle."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.machines.faults import RecoveryPolicy
+
+    executor = started_executor(tmp_path, recovery=RecoveryPolicy(max_recoveries=1000,
+                                                                  drain_grace_s=1.0))
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    try:
+        with recording_thread_starts() as starts, LiveServer(app) as server, \
+                httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            loop_thread = server.thread
+            assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 4, 0, 0) == 0
+            r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8,
+                                                     "timeout": 20})
+            emu.clear_all_faults()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 8)
+            metrics = client.get("/metrics").text
+            assert sum(metric_value(metrics, "calexec_resumes_total", {"cause": cause}) or 0
+                       for cause in ("device", "internal", "transient", "unknown")) >= 1
+            shaped = client.post("/v1/completions", json={
+                "prompt": [5, 6, 7], "max_tokens": 4, "timeout": 20,
+                "response_format": {"type": "json_object"}})
+            assert shaped.status_code == 200, shaped.text
+            wait_for(lambda: server_idle(service), WAIT_S, "the server idle")
+            by_loop = [started.name for starter, started in starts.starts
+                       if starter is loop_thread]
+        assert by_loop == [], by_loop
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+
+
+class _Thing:
+    """An object whose life a test follows (a weak reference)."""
+
+
+def _gone(ref: weakref.ref) -> bool:
+    gc.collect()
+    return ref() is None
+
+
+def test_an_idle_worker_keeps_nothing_of_the_calls_it_ran_or_skipped():
+    """A worker waiting for its next call holds no reference to the last one's arguments,
+    result or future, nor to those of a call cancelled before it ran: a server's step
+    returned a job handle, which holds the executor, and an app dropped without its lifespan
+    (tests/test_server_appleak.py) kept its executor alive in an idle worker's frame (CI,
+    stop 70). Each is waited for (bounded) to be collected while the worker waits for work."""
+    pool = WorkerPool(1, "t-pool")
+    try:
+        given = _Thing()
+        done = pool.submit(lambda thing: _Thing(), given)
+        result = done.result(WAIT_S)
+        refs = [weakref.ref(given), weakref.ref(result)]
+        del given, result, done
+        for ref in refs:
+            wait_for(lambda ref=ref: _gone(ref), WAIT_S, "the call's argument and result freed")
+        gate = threading.Event()
+        held = pool.submit(gate.wait, WAIT_S)  # the one worker busy: the next call waits
+        skipped_arg = _Thing()
+        skipped = pool.submit(id, skipped_arg)
+        ref = weakref.ref(skipped_arg)
+        assert skipped.cancel()
+        del skipped_arg, skipped
+        gate.set()
+        assert held.result(WAIT_S) is True
+        wait_for(lambda: _gone(ref), WAIT_S, "the cancelled call's argument freed")
+    finally:
+        pool.shutdown()

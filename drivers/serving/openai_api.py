@@ -1525,7 +1525,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             async with anyio.create_task_group() as watch:
                 watch.start_soon(_stop_at, deadline, check)
                 try:
-                    outcome.append(await anyio.to_thread.run_sync(
+                    outcome.append(await owner.service.in_worker(  # (the loop starts no thread)
                         functools.partial(structure, build, *args, check=check),
                         limiter=compile_threads))
                 except Exception as err:  # noqa: BLE001 - raised below as it is (no group)

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from anyio import to_thread
 from prometheus_client import Counter, Histogram
 
 from calexec.contracts.errors import Category
@@ -107,9 +106,9 @@ class Resumer:
         handle = old.handle
         try:
             if old.decode is not None:  # its pre-armed job holds KV of the failed sequence
-                await to_thread.run_sync(old.decode.close)
+                await service.in_worker(old.decode.close)  # (the loop starts no thread)
             if handle is None or handle.done:
-                released = await to_thread.run_sync(service.release_now, old.seq_id)
+                released = await service.in_worker(service.release_now, old.seq_id)
                 if released:
                     return
             service.release_later(old)

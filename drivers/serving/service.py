@@ -875,7 +875,7 @@ class CompletionService:
         # for the run's last job, at most one per sequence id; started by the pool's keeper,
         # never by the loop that asks for them
         self._releases = WorkerPool(2 * config.max_sequences, "calexec-seq-release")
-        # the blocking calls of a request's steps (``_in_worker``: enqueue, waits, a sampled
+        # the blocking calls of a request's steps (``in_worker``: enqueue, waits, a sampled
         # pick, a grammar's start, a prompt row) under the limiters above, as anyio's
         # ``to_thread`` ran them until stop 70, which started its threads on the loop (and
         # again after 10 s idle): twice the limiters' tokens leave room for calls a cancel
@@ -1150,8 +1150,8 @@ class CompletionService:
             return await self._failed(run, result, handle)
         if result.kv_len < len(run.prompt):  # a prompt position's row: the next prompt token's
             self._observe(run, result)
-            row = await self._in_worker(self._limiter, False, _prompt_row, result.logits,
-                                        run.prompt[run.past], run.prompt_top or 0)
+            row = await self.in_worker(_prompt_row, result.logits, run.prompt[run.past],
+                                       run.prompt_top or 0, limiter=self._limiter)
             run.prompt_rows.append(row[0])
             run.prompt_ranks.append(row[1])
             return _PROMPT_ROW
@@ -1161,12 +1161,12 @@ class CompletionService:
         if run.constraint is None and run.sampling.grammar is not None:
             # (a worker thread's: a large grammar's matcher takes half a second to build,
             # which on the loop stalled every other client; llguidance lets the GIL go)
-            run.constraint = await self._in_worker(self._limiter, False, _started,
-                                                   run.sampling.grammar, run.tokens)
+            run.constraint = await self.in_worker(_started, run.sampling.grammar, run.tokens,
+                                                  limiter=self._limiter)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
         try:
-            token, logprobs = await self._in_worker(self._limiter, False, sampling.pick, *args)
+            token, logprobs = await self.in_worker(sampling.pick, *args, limiter=self._limiter)
         except sampling.NoTokenLeft as err:  # the request's own constraints: a 400
             run.status = Status.failure(NO_TOKEN_LEFT, Category.INVALID_REQUEST, Phase.VALIDATE,
                                         str(err), seq_id=run.seq_id)
@@ -1575,17 +1575,19 @@ class CompletionService:
         the path before this policy."""
         return self._device_waits.median()
 
-    async def _in_worker(self, limiter: anyio.CapacityLimiter, abandon_on_cancel: bool,
-                         fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a thread of ``_workers``, in a copy of the caller's context, once
-        ``limiter`` lends a token, as ``anyio.to_thread.run_sync(fn, *args, limiter=limiter,
+    async def in_worker(self, fn: Callable[..., T], *args: Any,
+                        limiter: anyio.CapacityLimiter | None = None,
+                        abandon_on_cancel: bool = False) -> T:
+        """(The event loop: the server's routes and its own steps.) ``fn(*args)`` in a thread
+        of ``_workers``, in a copy of the caller's context, once ``limiter`` (if any) lends a
+        token, as ``anyio.to_thread.run_sync(fn, *args, limiter=limiter,
         abandon_on_cancel=abandon_on_cancel)`` ran it until stop 70 (anyio started its worker
         threads on the event loop, ``Thread.start`` waiting for each to be scheduled): the
         token is held until the call returns, or until the await is cancelled when
         ``abandon_on_cancel`` (the call, if it started, runs on; one not started is
         dropped), else the cancel waits for the call's end. Once the app stopped (the pool
         takes no new work), anyio's thread."""
-        async with limiter:
+        async with limiter if limiter is not None else contextlib.nullcontext():
             context = contextvars.copy_context()
             try:
                 future = self._workers.submit(context.run, fn, *args)
@@ -1625,7 +1627,8 @@ class CompletionService:
                   if inline and streamed and run.decode is not None else None)
         try:
             if handle is None:  # may block (admission, arming): a worker thread's
-                handle = await self._in_worker(limiter, True, enqueue, request)
+                handle = await self.in_worker(enqueue, request, limiter=limiter,
+                                             abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             # Flag first, then cancel the current handle: whichever of this and on_created
             # runs second sees the other's write, so the new job is always cancelled.
@@ -1645,10 +1648,11 @@ class CompletionService:
                 if inline and handle.done:
                     result = stream.wait()  # the step is resolved: returns at once
                 else:  # blocks, or cancels and closes past the deadline (may wait)
-                    result = await self._in_worker(self._stream_limiter, True, stream.wait)
+                    result = await self.in_worker(stream.wait, limiter=self._stream_limiter,
+                                                 abandon_on_cancel=True)
             elif not inline:
-                result = await self._in_worker(self._limiter, True, handle.wait_until,
-                                               run.deadline)
+                result = await self.in_worker(handle.wait_until, run.deadline,
+                                              limiter=self._limiter, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise

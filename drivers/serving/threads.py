@@ -159,20 +159,23 @@ class _Shared:
                     self.workers -= 1
                 return
             future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args)
-            except StopIteration as exc:  # (an asyncio future refuses it: module doc)
-                error = RuntimeError(f"a {self.name} call raised StopIteration")
-                error.__cause__ = exc
-                future.set_exception(error)
-                del error  # (nor its traceback while idle)
-            except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-            del item, future, fn, args  # (nothing of the call kept while idle)
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args)
+                except StopIteration as exc:  # (an asyncio future refuses it: module doc)
+                    error = RuntimeError(f"a {self.name} call raised StopIteration")
+                    error.__cause__ = exc
+                    future.set_exception(error)
+                    del error  # (nor its traceback while idle)
+                except BaseException as exc:  # noqa: BLE001 - the caller's, through its future
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                    del result
+            # nothing of the call kept while idle (a cancelled one's too): a step's result
+            # holds a job handle, which holds the executor of an app already dropped
+            del future, fn, args
 
 
 class WorkerPool:
