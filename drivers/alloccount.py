@@ -9,8 +9,10 @@ the allocations per call:
 - ``numpy_data``: numpy data buffers (NEP 49 handler): a temporary array is one.
 
 Frees are not counted. The numpy count covers the calling thread only (numpy's handler is per
-context); the Python count covers every thread, so measure on a quiet process. The hooks are
-removed afterwards.
+context); the Python count covers every thread (an executor's own threads' work is part of a
+token's cost), or with ``every_thread=False`` the calling thread only: a function measured
+alone, whose count another thread of the process (a test suite's, a server's) must not move.
+The hooks are removed afterwards.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ class AllocCounterError(RuntimeError):
     """The counting hooks could not be installed (the reason is numpy's or Python's)."""
 
 
-def count(fn: Callable[[], object], calls: int, warmup: int = 1) -> AllocCount:
+def count(fn: Callable[[], object], calls: int, warmup: int = 1, *,
+          every_thread: bool = True) -> AllocCount:
     """Allocations per call of ``fn`` over ``calls`` calls, after ``warmup`` uncounted calls
-    (first-call effects such as caches are not a per-token cost)."""
+    (first-call effects such as caches are not a per-token cost); Python's on every thread or,
+    ``every_thread=False``, on the calling thread only (module doc)."""
     if calls < 1:
         raise ValueError(f"calls={calls}: must be >= 1")
     for _ in range(warmup):
         fn()
-    rc = _lib.alloccount_install()
+    rc = _lib.alloccount_install(0 if every_thread else 1)
     if rc == 1:
         raise AllocCounterError("allocation counter is already installed (nested count())")
     if rc != 0:

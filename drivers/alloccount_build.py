@@ -12,6 +12,9 @@ them: it wraps
 delegating every call to the allocator that was installed before and adding one to a counter
 per ``malloc``/``calloc``/``realloc``. Counters are atomic; frees are not counted. numpy's
 handler is per context (a ContextVar): it is installed in the calling thread's context only.
+Python's allocations are counted on every thread, or on the installing thread only
+(``caller_only``: a function measured alone, which other threads of the process must not
+add to).
 
 Run by setuptools (``cffi_modules`` in setup.py) at ``pip install -e .``; needs numpy's headers
 at build time (``numpy`` is in the build requirements).
@@ -23,7 +26,7 @@ import numpy
 from cffi import FFI
 
 CDEF = """
-int alloccount_install(void);
+int alloccount_install(int caller_only);
 int alloccount_uninstall(void);
 int alloccount_installed(void);
 unsigned long long alloccount_python(void);
@@ -46,22 +49,30 @@ static unsigned long long py_count;
 static unsigned long long np_count;
 static int installed;
 static int numpy_ready;
+/* with caller_only, Python's allocations are counted on the installing thread only */
+static int caller_only;
+static unsigned long owner;
+
+static inline void count_python(void) {
+    if (!caller_only || PyThread_get_thread_ident() == owner)
+        __atomic_add_fetch(&py_count, 1, __ATOMIC_RELAXED);
+}
 static PyObject *prev_handler;       /* the numpy handler capsule we wrapped (owned ref) */
 static PyDataMem_Handler *prev_np;  /* its struct */
 
 static void *py_malloc(void *ctx, size_t size) {
     PyMemAllocatorEx *p = (PyMemAllocatorEx *)ctx;
-    __atomic_add_fetch(&py_count, 1, __ATOMIC_RELAXED);
+    count_python();
     return p->malloc(p->ctx, size);
 }
 static void *py_calloc(void *ctx, size_t nelem, size_t elsize) {
     PyMemAllocatorEx *p = (PyMemAllocatorEx *)ctx;
-    __atomic_add_fetch(&py_count, 1, __ATOMIC_RELAXED);
+    count_python();
     return p->calloc(p->ctx, nelem, elsize);
 }
 static void *py_realloc(void *ctx, void *ptr, size_t size) {
     PyMemAllocatorEx *p = (PyMemAllocatorEx *)ctx;
-    __atomic_add_fetch(&py_count, 1, __ATOMIC_RELAXED);
+    count_python();
     return p->realloc(p->ctx, ptr, size);
 }
 static void py_free(void *ctx, void *ptr) {
@@ -96,7 +107,7 @@ static PyDataMem_Handler counting_handler = {"calexec_alloccount", 1, {NULL, np_
 
 /* 0: installed; 1: already installed; -1: numpy's C API or handler unavailable
    (a Python exception is set). With the GIL held (see alloccount_install). */
-static int install_locked(void) {
+static int install_locked(int only_caller) {
     if (installed)
         return 1;
     if (!numpy_ready) {
@@ -143,6 +154,8 @@ static int install_locked(void) {
         PyMemAllocatorEx hook = {&prev_alloc[i], py_malloc, py_calloc, py_realloc, py_free};
         PyMem_SetAllocator(domains[i], &hook);
     }
+    caller_only = only_caller;
+    owner = PyThread_get_thread_ident();
     installed = 1;
     return 0;
 }
@@ -164,9 +177,9 @@ static int uninstall_locked(void) {
 }
 
 /* cffi releases the GIL around calls into this module; the hooks and numpy's API need it. */
-int alloccount_install(void) {
+int alloccount_install(int only_caller) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    int rc = install_locked();
+    int rc = install_locked(only_caller);
     if (rc < 0) {
         PyErr_Print();  /* the reason reaches stderr; the caller raises with the rc */
     }

@@ -4,6 +4,7 @@ and the allocation facts of the logits conversion it proves (§13.3 "allocation 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -78,3 +79,29 @@ def test_direct_logits_conversion_allocates_no_numpy_buffer():
     scratch = np.empty(V, np.uint16)
     # the finiteness check: one reduction result, no buffer of the row's size
     assert count(lambda: bf16_all_finite(src[:V], scratch), 100).numpy_data <= 1
+
+
+def test_a_function_counted_alone_is_not_charged_another_threads_allocations():
+    """``every_thread=False``: another thread that allocates while the function is counted
+    (here one making objects without pause while the function sleeps) adds nothing to its
+    count, while the every-thread count sees it. ``bench logits`` counts its cases this way:
+    in a test suite's process another test's leftover thread allocated during the count, and
+    CI read the fused path's 0-1 allocations a call as 3.75 (stop 70)."""
+    stop, started = threading.Event(), threading.Event()
+
+    def churn() -> None:
+        started.set()
+        while not stop.is_set():
+            [object() for _ in range(100)]
+
+    thread = threading.Thread(target=churn, name="t-churn")
+    thread.start()
+    try:
+        assert started.wait(10)
+        alone = count(lambda: time.sleep(0.002), 20, every_thread=False)
+        every = count(lambda: time.sleep(0.002), 20)
+    finally:
+        stop.set()
+        thread.join(10)
+    assert alone.python < 1, alone
+    assert every.python >= 10, every  # (the other thread did allocate meanwhile)

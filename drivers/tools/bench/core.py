@@ -1038,7 +1038,10 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     _progress("logits: CPU time, allocation counts and tracemalloc bytes")
     cpu_calls = max(1, min(iters, 200))
     alloc_calls = max(1, min(iters, 100))
-    counts = {name: alloccount.count(cases[name], alloc_calls) for name in names}
+    # (each case is a function of this thread alone: another thread's allocations, a
+    # test suite's or a server's in the same process, are not its)
+    counts = {name: alloccount.count(cases[name], alloc_calls, every_thread=False)
+              for name in names}
     alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
     p50 = {name: _p(samples[name], 50) for name in names}
     cpu = {name: _cpu_us(cases[name], cpu_calls) for name in names}
