@@ -199,7 +199,8 @@ def until(predicate, seconds: float = 10.0, what: str = "condition") -> None:
 
 
 def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
-    """Wait until nothing is queued, in flight, completing or guessed; return the snapshot. (Stepped executors
+    """Wait until nothing is queued, in flight, handed off, completing or guessed; return the
+    snapshot. (Stepped executors
     only move when the test drives them: nothing to wait for.)"""
     if not executor.config.threads:
         return executor.snapshot()
@@ -211,8 +212,12 @@ def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
         # and the guesses of implicit pre-arms (machines/autoarm.py) expired: they hold a slot
         # and a token of budget until then; a guess leaves the table before whoever holds its
         # job releases it, so its token is waited for too
+        # and the submitter has taken the report of every job it handed off (a relayed job
+        # can be resolved by the completion thread before the submitter reads the relay's
+        # report of its submit: CI, stop 70, read handing_off 1 after a stream's last step)
         if (snap["queued"] == 0 and snap["inflight"] == 0 and snap["completing"] == 0
-                and snap["pending_tokens"] == 0 and not executor.dispatch.guesses()):
+                and snap["pending_tokens"] == 0 and not executor.dispatch.guesses()
+                and snap["dispatch"]["handing_off"] == 0 and snap["dispatch"]["relayed"] == 0):
             return snap
         time.sleep(0.002)
     return executor.snapshot()
