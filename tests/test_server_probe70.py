@@ -26,6 +26,22 @@ from test_server_support import (
 )
 
 
+def held_switch():
+    """``(held, release, held_open)``: ``held_open`` stands for
+    ``device_lifecycle.open_generation`` (the test patches it in): a switch whose old
+    generation is retired sets ``held`` and waits there (bounded) until ``release`` is set."""
+    from calexec.machines import device_lifecycle
+
+    real_open = device_lifecycle.open_generation
+    held, release = threading.Event(), threading.Event()
+
+    def held_open(*args, **kwargs):
+        held.set()
+        release.wait(30.0)
+        return real_open(*args, **kwargs)
+    return held, release, held_open
+
+
 def test_two_requests_sending_one_x_request_id_have_dump_records_told_apart(tmp_path):
     """Two clients sending one ``X-Request-Id`` at once (a retried call, a client reusing a
     trace id) are both answered, each with its own body ``id``; but the dump record of each
@@ -98,13 +114,7 @@ def test_a_request_whose_generation_a_switch_retired_is_not_told_replaced_by_non
     executor = started_executor(tmp_path)
     copy = tmp_path / "copy.calbin"
     copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
-    real_open = device_lifecycle.open_generation
-    held, release = threading.Event(), threading.Event()
-
-    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
-        held.set()
-        release.wait(30.0)
-        return real_open(*args, **kwargs)
+    held, release, held_open = held_switch()
 
     enqueue, calls, switches = executor.enqueue, [], []
 
@@ -157,13 +167,7 @@ def test_a_reload_while_a_switch_has_moved_the_lifecycle_names_the_switch(tmp_pa
 
     executor = started_executor(tmp_path)
     calbin = executor.config.calbin_path
-    real_open = device_lifecycle.open_generation
-    held, release = threading.Event(), threading.Event()
-
-    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
-        held.set()
-        release.wait(30.0)
-        return real_open(*args, **kwargs)
+    held, release, held_open = held_switch()
 
     monkeypatch.setattr(device_lifecycle, "open_generation", held_open)
     answers: list[httpx.Response] = []
@@ -405,13 +409,7 @@ def test_a_request_a_switch_ended_as_a_drain_began_is_not_told_the_grace_ran_out
     executor = started_executor(tmp_path)
     copy = tmp_path / "copy.calbin"
     copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
-    real_open = device_lifecycle.open_generation
-    held, release = threading.Event(), threading.Event()
-
-    def held_open(*args, **kwargs):  # the switch, its old generation retired, waits here
-        held.set()
-        release.wait(30.0)
-        return real_open(*args, **kwargs)
+    held, release, held_open = held_switch()
 
     app = create_app(executor, ServerConfig(max_resumes=0, prearm=False, decode_bursts=False,
                                             admin_token="probe70-admin"))
