@@ -482,6 +482,55 @@ def test_the_event_loop_starts_no_thread_for_a_resume_or_a_grammar(tmp_path):
         executor.shutdown(5.0)
 
 
+def test_the_event_loop_starts_no_thread_for_an_operators_calls(tmp_path):
+    """``POST /admin/reload`` (its calbin check, then the model switch) and a job's page
+    (``GET /debug/jobs/{id}``: its drawing, whether or not graphviz's ``dot`` is here) run
+    their blocking calls in worker threads the pool's keeper starts
+    (``CompletionService.operator_call``): until stop 71 they went to anyio's ``to_thread``,
+    whose threads the event loop started itself, one whenever none was idle. At most
+    ``OPERATOR_THREADS`` of them at once: 6 job pages asked for together all answer."""
+    from calexec.drivers.serving.service import OPERATOR_THREADS
+
+    token = "pool71-admin"
+    auth = {"authorization": f"Bearer {token}"}
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=token))
+    service = app.state.service
+    try:
+        with recording_thread_starts() as starts, LiveServer(app) as server, \
+                httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+            loop_thread = server.thread
+            r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
+            generation = executor.generation.generation_id
+            reload = client.post("/admin/reload", headers=auth,
+                                 json={"calbin": executor.gen.calbin_path})
+            assert reload.status_code == 200, reload.text
+            assert executor.generation.generation_id == generation + 1
+            pages: list = []
+            ready = threading.Barrier(3 * OPERATOR_THREADS, timeout=WAIT_S)
+
+            def page():
+                ready.wait()
+                pages.append(httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=auth,
+                                       timeout=WAIT_S))
+            askers = [threading.Thread(target=page) for _ in range(3 * OPERATOR_THREADS)]
+            for asker in askers:
+                asker.start()
+            for asker in askers:
+                asker.join(WAIT_S)
+            # the page, or the answer naming the missing ``dot``: either way, drawn in a thread
+            assert len(pages) == 3 * OPERATOR_THREADS
+            assert len({(p.status_code, p.headers["content-type"]) for p in pages}) == 1, pages
+            wait_for(lambda: server_idle(service), WAIT_S, "the server idle")
+            by_loop = [started.name for starter, started in starts.starts
+                       if starter is loop_thread]
+        assert by_loop == [], by_loop
+    finally:
+        executor.shutdown(5.0)
+
+
 class _Thing:
     """An object whose life a test follows (a weak reference)."""
 

@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 import attrs
-from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -287,8 +286,8 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                 "is required"), "calbin", http_status=400)
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
-        checked = await to_thread.run_sync(service.executor.check_calbin, path,
-                                           config.max_calbin_bytes)
+        checked = await service.operator_call(service.executor.check_calbin, path,
+                                              config.max_calbin_bytes)
         if not checked.ok or not isinstance(path, str):  # (checked ok: a str)
             return error_response(checked if not checked.ok else invalid(f"calbin={shown(path)}"),
                                   "calbin", http_status=400)
@@ -311,7 +310,7 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         try:
             log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
                      wire.request_id(request.scope))
-            status = await to_thread.run_sync(service.executor.switch_model, path)
+            status = await service.operator_call(service.executor.switch_model, path)
             executor = service.executor
             gen, state = executor.gen, executor.state  # (read before another switch starts)
         finally:

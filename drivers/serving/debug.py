@@ -8,7 +8,6 @@ import functools
 import re
 from collections.abc import Mapping
 
-from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
@@ -109,7 +108,7 @@ def add_debug_routes(app: FastAPI, owner: RouteService) -> None:
         if view == "json":
             return JSONResponse(record)
         try:
-            svg_page = await to_thread.run_sync(path_page, record)
+            svg_page = await service.operator_call(path_page, record)
         except GraphvizError as err:
             return no_graphviz(err, "/debug/jobs/{id}")
         return HTMLResponse(svg_page)

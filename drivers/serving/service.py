@@ -69,6 +69,9 @@ from calexec.machines.compiled import JOB
 T = TypeVar("T")
 
 log = logging.getLogger("calexec.server")
+#: how many operator calls (``CompletionService.operator_call``: a calbin check, a model
+#: switch, a job page's drawing) run in worker threads at once
+OPERATOR_THREADS = 2
 #: the ``reason`` of a model switch's record in ``executor.recoveries``
 MODEL_SWITCH = "lifecycle.model_switch"
 #: what a prompt past the context is told to shorten, per ``Admission.prompt_param``: OpenAI's
@@ -880,8 +883,10 @@ class CompletionService:
         # ``to_thread`` ran them until stop 70, which started its threads on the loop (and
         # again after 10 s idle): twice the limiters' tokens leave room for calls a cancel
         # gave up while they end (their token freed at once, as anyio's)
-        self._workers = WorkerPool(2 * (2 * config.worker_threads + config.max_sequences),
-                                   "calexec-worker")
+        # (and the operator's calls: ``operator_call``, at most OPERATOR_THREADS at once)
+        self._workers = WorkerPool(2 * (2 * config.worker_threads + config.max_sequences
+                                        + OPERATOR_THREADS), "calexec-worker")
+        self._operator_limiter = anyio.CapacityLimiter(OPERATOR_THREADS)
         self._releasing = 0  # asked for and not ended (``releases_pending``)
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
@@ -1598,6 +1603,16 @@ class CompletionService:
             with anyio.CancelScope(shield=True):
                 result = await asyncio.wrap_future(future)
             return result
+
+    async def operator_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """(The event loop: an admin or debug route.) ``fn(*args)`` in a worker thread
+        (``in_worker``), at most ``OPERATOR_THREADS`` such calls at once (a script asking for
+        many job pages takes no thread a request's step needs), the await's cancel waiting
+        for the call's end as anyio's ``to_thread`` did: a calbin check, a model switch, a
+        job page's drawing. Until stop 71 these went to anyio's ``to_thread``, whose worker
+        threads the event loop started itself (``Thread.start`` waits for the new thread to
+        be scheduled: 0.1-0.25 s on a starved host, every request waiting with it)."""
+        return await self.in_worker(fn, *args, limiter=self._operator_limiter)
 
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
