@@ -117,6 +117,14 @@ def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys)
         assert "cpu_ms_per_request" not in level["api_process_floor"]
         assert level["throughput_ratio"] == pytest.approx(
             level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
+        # HTTP, one hand-off to a thread and back and the direct side's request, interleaved
+        # with the others, its CPU in this process as the server's (stop 71)
+        floor = level["handoff_floor"]
+        assert level["handoff_floor_ratio"] == pytest.approx(
+            floor["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
+        assert level["handoff_floor_cpu_ratio"] == pytest.approx(
+            floor["cpu_ms_per_request"] / level["direct"]["cpu_ms_per_request"], abs=0.002)
+        assert "bench-handoff" in floor["cpu_ms_per_request_by_thread"]
         # the API process split's ceiling, interleaved with the others (api_floor.py)
         assert level["api_process_floor_ratio"] == pytest.approx(
             level["api_process_floor"]["req_per_s"] / level["direct"]["req_per_s"],

@@ -56,6 +56,7 @@ server's extra CPU per request goes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import os
@@ -472,6 +473,45 @@ def http_floor_app() -> Any:
     return app
 
 
+class HandoffFloor:
+    """The ``handoff_floor`` side (stop 71): a FastAPI app whose ``/v1/completions`` parses
+    the ``http_floor`` body, hands the request to a worker thread of a
+    ``threads.WorkerPool`` (as the server hands a decode burst to ``calexec-burst``), which
+    runs it straight through the executor as the direct side does (``seqs``: the level's
+    ``_DirectSeqs``), and answers its tokens as ``http_floor`` does. HTTP, one hand-off to
+    a thread and back, and the direct side's request: what a server on this stack that
+    hands each request to a thread costs before anything it does beside (admission, the
+    waiting queue, sampling, stop strings, detokenizing, metrics, resumes). ``app`` is
+    served by the bench; ``close`` ends the pool's threads."""
+
+    THREADS = "bench-handoff"
+
+    def __init__(self) -> None:
+        from fastapi import FastAPI
+
+        from calexec.drivers.serving.threads import WorkerPool
+        from calexec.drivers.tools.bench.api_floor import floor_body, floor_completion
+
+        self.seqs: _DirectSeqs | None = None
+        self._pool = WorkerPool(2 * DIRECT_SEQS, self.THREADS)
+        body_model = floor_body()
+        app = FastAPI()
+
+        async def completions(body: Any) -> dict[str, Any]:
+            seqs = self.seqs
+            if seqs is None:
+                raise BenchError("the handoff floor was asked before a level set its ids")
+            tokens = await asyncio.wrap_future(self._pool.submit(
+                seqs.run, list(body.prompt), body.max_tokens))
+            return floor_completion("handoff-floor", len(body.prompt), tokens)
+        completions.__annotations__["body"] = body_model
+        app.post("/v1/completions")(completions)
+        self.app = app
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
 #: the prompt length of every request of the bench (``[i % 1000 + 1, 7, 9]``: loadgen.py, the
 #: direct side, the API process floor's check)
 PROMPT_TOKENS = 3
@@ -532,13 +572,16 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
             ex.shutdown()
             raise cliargs.UserError(refusal)
         app = create_app(served(ex), ServerConfig())
+        handoff: HandoffFloor | None = None
         try:
+            handoff = HandoffFloor()
             with LiveServer(app, name="uvicorn-server") as live, \
                     LiveServer(http_floor_app(), name="uvicorn-http-floor") as floor, \
+                    LiveServer(handoff.app, name="uvicorn-handoff-floor") as handoff_live, \
                     _ApiFloor(ex, tmp, max_tokens) as split:
                 result = _levels(ex, app, live.url, floor.url, requests, max_tokens,
                                  decode_us, levels, loadgen, stream, client, rounds,
-                                 split.url)
+                                 split.url, (handoff, handoff_live.url))
                 if split.url is None:
                     result["api_process_floor"] = f"not run: {split.reason}"
                 result["native_relay"] = native_relay
@@ -547,14 +590,18 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         except TimeoutError as exc:  # (a server that did not start)
             raise BenchError(str(exc)) from None
         finally:
+            if handoff is not None:
+                handoff.close()
             ex.shutdown()
 
 
 def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: int,
             max_tokens: int, decode_us: int, levels: Sequence[int], loadgen: str,
             stream: bool, client: str, rounds: int,
-            split_url: str | None = None) -> dict[str, Any]:
-    """Every level's sides (``run_server_bench``)."""
+            split_url: str | None = None,
+            handoff: tuple[HandoffFloor, str] | None = None) -> dict[str, Any]:
+    """Every level's sides (``run_server_bench``); ``handoff``: the ``handoff_floor``
+    side's app and its URL."""
     result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
                               "decode_us": decode_us, "levels": list(levels),
                               "loadgen": loadgen, "loadgen_client": client, "stream": stream,
@@ -590,6 +637,10 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         if split_url is not None:
             sides["api_process_floor"] = functools.partial(http, False, target=split_url,
                                                            raw=True)
+        if handoff is not None:
+            handoff[0].seqs = seqs
+            sides["handoff_floor"] = with_cpu(functools.partial(
+                http, False, target=handoff[1], raw=True), WARMUP_REQUESTS)
         level_rounds = rounds_for(requests, concurrency, rounds)
         blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
         names = list(sides)
@@ -644,6 +695,11 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
             if by_thread is not None and "cpu_ms_per_request_by_thread" in d:
                 level[f"{name}_minus_direct_cpu_ms_by_thread"] = threadcpu.difference(
                     by_thread, d["cpu_ms_per_request_by_thread"])
+        if handoff is not None:
+            floor = level["handoff_floor"]
+            level["handoff_floor_ratio"] = round(floor["req_per_s"] / d["req_per_s"], 3)
+            level["handoff_floor_cpu_ratio"] = round(floor["cpu_ms_per_request"]
+                                                     / d["cpu_ms_per_request"], 3)
         if split_url is not None:
             level["api_process_floor_ratio"] = round(
                 level["api_process_floor"]["req_per_s"] / d["req_per_s"], 3)
