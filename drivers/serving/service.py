@@ -80,11 +80,20 @@ MODEL_SWITCH = "lifecycle.model_switch"
 PROMPT_WORDS = {"prompt": "prompt or messages", "messages": "prompt or messages"}
 
 
+#: OpenAI's ``error.code`` of a context overflow (error_bodies.OPENAI_CODE), also the last
+#: words of its message (:func:`context_exceeded`)
+CONTEXT_CODE = "context_length_exceeded"
+
+
 def context_exceeded(message: str) -> Status:
     """A prompt, or prompt + max_tokens, longer than the model's context (400; OpenAI's code
-    ``context_length_exceeded``, error_bodies.OPENAI_CODE)."""
+    ``context_length_exceeded``, error_bodies.OPENAI_CODE). ``message`` (OpenAI's and vLLM's
+    wording) ends with the code in parentheses: the openai SDK 3.x puts only the body's
+    message in the exception's text, and LangChain (``ContextOverflowError``) tells an
+    overflow from any other 400 by the code in that text (SDK 1.x and 2.x wrote the whole
+    body there)."""
     return Status.failure("request.context_length_exceeded", Category.INVALID_REQUEST,
-                          Phase.VALIDATE, message)
+                          Phase.VALIDATE, f"{message} ({CONTEXT_CODE})")
 
 
 #: an origin as browsers send it: scheme, host, optional port, no path ("*": any)

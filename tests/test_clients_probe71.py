@@ -1,0 +1,96 @@
+"""Stop 71's probe with real clients (docs/traceability.md "Found at stop 71 (clients)"): the
+official ``openai`` SDK (3.51, the pinned one) and LangChain's OpenAI integration
+(``langchain-openai``, the ``[clients]`` extra), unmodified, against a loopback server on the
+synthetic model, as a team adopting the server runs them. Client timeout 30 s, no retries.
+
+LangChain is imported inside its tests (``needs.module``): without the extra they are skipped
+(``.ci/run`` installs it and runs them again with nothing skipped) and the SDK's tests still
+run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import needs
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from test_server_support import MODEL, openai_server, oracle_tokens, server_idle, wait_for
+
+openai = needs.module("openai", "clients")
+
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module", name="served")
+def served_fixture(tmp_path_factory) -> Iterator[tuple]:
+    """``(url, sdk, service)``: a server with ``create_app``'s defaults, its ``/v1`` URL and
+    an official ``openai`` client for it."""
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (
+            server, sdk, service):
+        yield f"{server.url}/v1", sdk, service
+
+
+def _max_seq(sdk) -> int:
+    return sdk.models.retrieve(MODEL).model_extra["max_model_len"]
+
+
+def _completion_answer(prompt: str, n: int) -> str:
+    """The oracle's greedy ``n`` tokens after ``prompt`` (completions: no template)."""
+    return tokenizer.decode(oracle_tokens(tokenizer.encode(prompt), n))
+
+
+# ---- a context overflow, as LangChain tells it ----------------------------------------------------
+def _overflowing_bodies(max_seq: int) -> list[tuple[str, str, dict]]:
+    """(what, route, body) of every way a request overflows the context."""
+    long_text = "x" * (max_seq + 5)
+    fits = "x" * (max_seq - 40)
+    return [("prompt over the context", "completions", {"prompt": long_text, "max_tokens": 4}),
+            ("prompt + max_tokens over it", "completions", {"prompt": fits, "max_tokens": 100}),
+            ("messages over the context", "chat",
+             {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}),
+            ("messages + max_completion_tokens over it", "chat",
+             {"messages": [{"role": "user", "content": fits}], "max_completion_tokens": 100}),
+            ("messages leaving no room for the default", "chat",
+             {"messages": [{"role": "user", "content": long_text}]})]
+
+
+def test_the_sdks_error_text_names_a_context_overflow_by_its_code(served):
+    """The SDK 3.x writes only the body's ``error.message`` into the exception's text (``str(e)``,
+    ``e.message``; 1.x and 2.x wrote the whole body, code included), and LangChain, litellm
+    and the like tell a context overflow from any other 400 by that text: the message carries
+    the code ``context_length_exceeded`` as well as OpenAI's wording, for every overflow."""
+    _, sdk, _ = served
+    for what, route, body in _overflowing_bodies(_max_seq(sdk)):
+        call = sdk.completions.create if route == "completions" else sdk.chat.completions.create
+        with pytest.raises(openai.BadRequestError) as caught:
+            call(model=MODEL, **body)
+        error = caught.value
+        assert error.code == "context_length_exceeded", (what, error.body)
+        assert "context_length_exceeded" in str(error), (what, str(error))
+        assert "maximum context length" in error.message, (what, error.message)
+
+
+def test_langchain_raises_its_context_overflow_error_for_a_prompt_past_the_context(served):
+    """LangChain's ``ChatOpenAI`` maps a 400 to ``ContextOverflowError`` (langchain-core's
+    provider-neutral error an application, or an agent's summarizing step, catches to shorten
+    the conversation) when the exception's text says ``context_length_exceeded``. With the
+    pinned SDK that text is the message alone, and the server's ("This model's maximum
+    context length is ...", OpenAI's older wording) did not say it: every overflow was a
+    plain ``OpenAIInvalidRequestError``, invoked, streamed and over ``/v1/responses``."""
+    langchain_openai = needs.module("langchain_openai", "clients")
+    exceptions = needs.module("langchain_core.exceptions", "clients")
+    url, sdk, _ = served
+    long_text = "x" * (_max_seq(sdk) + 5)
+    for extra in ({}, {"use_responses_api": True}):
+        chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused",
+                                           max_tokens=4, timeout=TIMEOUT_S, max_retries=0,
+                                           **extra)
+        with pytest.raises(exceptions.ContextOverflowError):
+            chat.invoke(long_text)
+        with pytest.raises(exceptions.ContextOverflowError):
+            list(chat.stream(long_text))
+    big = langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused",
+                                      max_tokens=_max_seq(sdk), timeout=TIMEOUT_S, max_retries=0)
+    with pytest.raises(exceptions.ContextOverflowError):
+        big.invoke("hello")  # the prompt fits, prompt + max_tokens does not
