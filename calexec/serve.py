@@ -70,6 +70,7 @@ from calexec.drivers.serving.server import (
     uvicorn_config,
 )
 from calexec.drivers.serving.service import (
+    DEFAULT_MAX_CHOICES,
     MAX_CHOICES,
     api_key_problem,
     cors_origin_problem,
@@ -133,7 +134,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=cliargs.non_negative_int, default=1024,
                    help="requests that may wait within their deadline for a sequence id or for "
                         "Ready during a recovery (0: refuse at once with 429/503)")
-    p.add_argument("--max-choices", type=cliargs.int_in(1, MAX_CHOICES), default=16,
+    p.add_argument("--max-choices", type=cliargs.int_in(1, MAX_CHOICES),
+                   default=DEFAULT_MAX_CHOICES,
                    help="choices one request may ask for: prompts x n (above it: 400 naming "
                         f"n or prompt), 1..{MAX_CHOICES}; at most half the sequence ids run "
                         "at once")

@@ -94,3 +94,36 @@ def test_langchain_raises_its_context_overflow_error_for_a_prompt_past_the_conte
                                       max_tokens=_max_seq(sdk), timeout=TIMEOUT_S, max_retries=0)
     with pytest.raises(exceptions.ContextOverflowError):
         big.invoke("hello")  # the prompt fits, prompt + max_tokens does not
+
+
+# ---- LangChain's OpenAI LLM batches 20 prompts per request ----------------------------------------
+def test_langchain_llm_batch_of_its_default_batch_size_is_served(served):
+    """LangChain's ``OpenAI`` completion LLM sends the prompts of ``batch``/``generate`` as
+    one ``prompt`` list per ``batch_size`` (20 by default, after OpenAI's guidance). The
+    server's default ``max_choices`` was 16: ``llm.batch(prompts)`` of 17 to 20 prompts (and
+    every sub-batch of a longer list) was a 400 ``prompt: 17 prompts > max_choices=16``. The
+    default is now OpenAI's own cap on ``n``, 128: the batch is served, each answer its own
+    prompt's, in order, synchronously and async."""
+    langchain_openai = needs.module("langchain_openai", "clients")
+    url, _, service = served
+    llm = langchain_openai.OpenAI(model=MODEL, base_url=url, api_key="unused", temperature=0,
+                                  max_tokens=2, timeout=TIMEOUT_S, max_retries=0)
+    assert llm.batch_size == 20
+    prompts = [f"prompt {i}" for i in range(45)]  # sub-batches of 20, 20 and 5
+    assert llm.batch(prompts) == [_completion_answer(p, 2) for p in prompts]
+    wait_for(lambda: server_idle(service), TIMEOUT_S, "the server to be idle")
+
+
+def test_the_sdk_is_served_n_up_to_openais_cap(served):
+    """``n`` up to 128 (OpenAI's own cap on it) is served by default, each choice in
+    index order; 129 is the 400 naming ``n`` and the server's cap."""
+    _, sdk, service = served
+    whole = sdk.completions.create(model=MODEL, prompt="abc", n=128, max_tokens=1,
+                                   temperature=0)
+    assert [c.index for c in whole.choices] == list(range(128))
+    assert {c.text for c in whole.choices} == {_completion_answer("abc", 1)}
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                    n=129, max_tokens=1)
+    assert caught.value.param == "n" and "max_choices=128" in caught.value.message
+    wait_for(lambda: server_idle(service), TIMEOUT_S, "the server to be idle")

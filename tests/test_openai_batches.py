@@ -25,6 +25,7 @@ from calexec.drivers.tools.chaos import FAULTS
 from test_server_support import (
     LiveServer,
     live_fixture,  # noqa: F401 - the fixture `live`
+    openai_server,
     oracle_tokens,
     started_executor,
     wait_for,
@@ -178,37 +179,48 @@ def test_a_completion_stream_of_prompts_and_n_carries_each_index_and_one_done(li
 
 
 # ---- cap and fairness -----------------------------------------------------------------------
+#: the cap the tests below set (the default, service.DEFAULT_MAX_CHOICES, is 128)
+CAP = 16
+
+
+@pytest.fixture(scope="module", name="capped")
+def capped_fixture(tmp_path_factory):
+    """``openai_server`` with ``max_choices`` set to :data:`CAP`: ``(server, client, service)``."""
+    with openai_server(tmp_path_factory.mktemp("capped"), ServerConfig(max_choices=CAP)) as s:
+        yield s
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": [1, 2], "n": 17}, "n"),
     ({"prompt": [[1]] * 5, "n": 4}, "n"),
     ({"prompt": ["a"] * 17}, "prompt"),
     ({"prompt": [1, 2], "n": 0}, "n")])
-def test_prompts_times_n_above_the_cap_is_a_400_naming_it(live, body, param):
-    server, _, _ = live
+def test_prompts_times_n_above_the_cap_is_a_400_naming_it(capped, body, param):
+    server, _, _ = capped
     r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param
     if body.get("n") != 0:
-        assert "max_choices=16" in error["message"], error
+        assert f"max_choices={CAP}" in error["message"], error
 
 
 @pytest.mark.parametrize("body", [{"prompt": [1, 2], "n": 16}, {"prompt": [[1]] * 4, "n": 4},
                                   {"prompt": ["a"] * 16}])
-def test_exactly_max_choices_is_served(live, body):
+def test_exactly_max_choices_is_served(capped, body):
     """The cap is inclusive: prompts x n = max_choices (16) is served, one above is a 400."""
-    server, _, _ = live
+    server, _, _ = capped
     r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
     assert r.status_code == 200, r.text
-    assert [c["index"] for c in r.json()["choices"]] == list(range(16))
+    assert [c["index"] for c in r.json()["choices"]] == list(range(CAP))
 
 
-def test_chat_n_above_the_cap_is_a_400_naming_n(live):
-    _, client, _ = live
+def test_chat_n_above_the_cap_is_a_400_naming_n(capped):
+    _, client, _ = capped
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       n=17, max_tokens=1)
-    assert err.value.body["param"] == "n" and "max_choices=16" in err.value.body["message"]
+                                       n=CAP + 1, max_tokens=1)
+    assert err.value.body["param"] == "n" and f"max_choices={CAP}" in err.value.body["message"]
 
 
 def test_a_request_takes_at_most_half_the_sequence_ids_and_its_other_choices_wait(tmp_path):

@@ -113,7 +113,7 @@ def test_end_token_stops_the_generation(fresh):
     ({"prompt": [1], "max_tokens": "3"}, "max_tokens"),     # wrong type
     ({"prompt": [1], "max_tokens": -1}, "max_tokens"),
     ({"prompt": [1], "stream": "yes"}, "stream"),
-    ({"prompt": [1], "n": 17}, "n"),                 # above max_choices (16)
+    ({"prompt": [1], "n": 129}, "n"),                # above max_choices (128)
     ({"max_tokens": 3}, "prompt"),                    # missing
 ])
 def test_bad_input_is_400_with_a_json_body_and_serving_continues(fresh, body, param):

@@ -200,6 +200,10 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
 #: request are set up together, each an admission, a task and a held answer, before the
 #: first runs; OpenAI's own cap on ``n`` is 128
 MAX_CHOICES = 1024
+#: ``ServerConfig.max_choices``'s default: OpenAI's own cap on ``n``. It was 16 until stop 71,
+#: below the 20 prompts LangChain's ``OpenAI`` LLM sends per request (its ``batch_size``):
+#: ``llm.batch`` of 17 or more prompts was a 400
+DEFAULT_MAX_CHOICES = 128
 #: how many ``x-request-id`` s a line cutting requests names (``wire.cut_ids``)
 CUT_IDS_LOGGED = wire.CUT_IDS_LOGGED
 
@@ -312,8 +316,8 @@ class ServerConfig:
     #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap. At most
     #: :data:`MAX_CHOICES`: a request's choices are set up together (one admission, task and
     #: answer each), so a cap of 10**11 let one request with a huge ``n`` take every byte
-    max_choices: int = attrs.field(default=16, validator=fields.number(1, MAX_CHOICES,
-                                                                       integral=True))
+    max_choices: int = attrs.field(default=DEFAULT_MAX_CHOICES,
+                                   validator=fields.number(1, MAX_CHOICES, integral=True))
     #: greedy requests: the executor's completion thread fires each next decode step with the
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
