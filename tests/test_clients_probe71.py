@@ -127,3 +127,39 @@ def test_the_sdk_is_served_n_up_to_openais_cap(served):
                                     n=129, max_tokens=1)
     assert caught.value.param == "n" and "max_choices=128" in caught.value.message
     wait_for(lambda: server_idle(service), TIMEOUT_S, "the server to be idle")
+
+
+# ---- a base URL without /v1 (or with it twice) ---------------------------------------------------
+@pytest.mark.parametrize("suffix", ["", "/v1/v1"], ids=["without-v1", "v1-twice"])
+def test_a_client_whose_base_url_misses_v1_is_told_where_the_routes_are(served, suffix):
+    """``OpenAI(base_url="http://host:port")`` (``ChatOpenAI(base_url=...)``, llama-index's
+    ``api_base``) without the ``/v1`` every OpenAI-compatible server's routes sit under, or
+    with it twice, got ``404 POST /chat/completions: no such route (docs/server.md lists
+    them)``, naming no fix. The 404 (same code, same shape, nothing served) now names the
+    route the path reaches under ``/v1`` and says the base URL ends with ``/v1``; a path
+    that is no route under ``/v1`` either is told only that it is none."""
+    url, _, _ = served
+    root = url.removesuffix("/v1") + suffix
+    sdk = openai.OpenAI(base_url=root, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    calls = [("POST /chat/completions", "POST /v1/chat/completions", lambda: sdk.chat.completions
+              .create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)),
+             ("POST /completions", "POST /v1/completions",
+              lambda: sdk.completions.create(model=MODEL, prompt="x", max_tokens=2)),
+             ("GET /models", "GET /v1/models", lambda: sdk.models.list()),
+             ("GET /models/" + MODEL, "GET /v1/models/" + MODEL,
+              lambda: sdk.models.retrieve(MODEL)),
+             ("POST /responses", "POST /v1/responses",
+              lambda: sdk.responses.create(model=MODEL, input="x", max_output_tokens=2))]
+    for sent, served_route, call in calls:
+        sent = sent.replace(" /", f" {suffix}/", 1)
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        error = caught.value
+        assert error.code == "not_found" and error.param is None, error.body
+        assert error.message.startswith(
+            f"Error code: 404 - {sent}: no such route: {served_route} is one (the OpenAI "
+            "routes are under /v1"), error.message
+        assert "base URL ends with /v1" in error.message, error.message
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk.embeddings.create(model=MODEL, input="x")  # no route under /v1 either
+    assert "OpenAI routes are under" not in caught.value.message, caught.value.message

@@ -144,16 +144,35 @@ def encoded_separator(path: str) -> str | None:
     return None
 
 
+def under_v1(path: str) -> str | None:
+    """The path a client whose base URL misses ``/v1``, or has it twice, meant by ``path``
+    (``/chat/completions`` -> ``/v1/chat/completions``, ``/v1/v1/models`` -> ``/v1/models``);
+    None for a path under ``/v1`` once. Whether a route takes it is the caller's to ask."""
+    if path.startswith("/v1/v1/"):
+        return path[len("/v1"):]
+    if path == "/v1" or path.startswith("/v1/") or path in ("", "/"):
+        return None
+    return "/v1" + path
+
+
 def route_error(method: str, path: str, http_status: int,
-                headers: dict[str, str] | None = None) -> JSONResponse:
+                headers: dict[str, str] | None = None, meant: str | None = None
+                ) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
-    path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``."""
+    path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``.
+    ``meant``: the route (:func:`under_v1`) the path reaches with ``/v1`` once, which the 404
+    names (a client's base URL without ``/v1`` was told only "no such route")."""
     path = path[:200]
     if http_status == 405:
         allowed = (headers or {}).get("allow") or (headers or {}).get("Allow") or "?"
         status = Status.failure("request.method_not_allowed", Category.INVALID_REQUEST,
                                 Phase.VALIDATE, f"{method} {path}: method not allowed "
                                 f"(allowed: {allowed})")
+    elif meant is not None:
+        status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+                                f"{method} {path}: no such route: {method} {meant[:200]} is "
+                                "one (the OpenAI routes are under /v1: a client's base URL "
+                                "ends with /v1 once, http://HOST:PORT/v1)")
     else:
         why = not_served(path) or encoded_separator(path)
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,

@@ -40,6 +40,7 @@ from fastapi.routing import APIRoute, request_response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from calexec import __version__
 from calexec.contracts.errors import Category
@@ -144,8 +145,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
             auth = openai_api.auth_refusal(request, config.api_key)
             if auth is not None:
                 return error_response(auth.status, auth.param, retry, auth.http_status)
+        meant = error_bodies.under_v1(path) if exc.status_code == 404 else None
+        if meant is not None and not _routed(app, request.scope, meant):
+            meant = None
         return route_error(request.method, request.url.path, exc.status_code,
-                           dict(exc.headers or {}))
+                           dict(exc.headers or {}), meant)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -375,6 +379,13 @@ class AsteriskForm:
                 "section 3.2.4); send a path, as docs/server.md lists them")
             response = error_response(status, None, http_status=400)
         await response(scope, receive, send)
+
+
+def _routed(app: FastAPI, scope: Any, path: str) -> bool:
+    """Whether one of ``app``'s routes takes ``path`` (any method: a 405 there still names
+    the route a client meant)."""
+    probe = {**scope, "path": path, "raw_path": path.encode("utf-8", "replace")}
+    return any(route.matches(probe)[0] is not Match.NONE for route in app.routes)
 
 
 class RawPaths:
