@@ -18,6 +18,7 @@ from calexec.drivers.serving import byte_tokenizer as tokenizer
 from test_server_support import MODEL, openai_server, oracle_tokens, server_idle, wait_for
 
 openai = needs.module("openai", "clients")
+httpx = needs.module("httpx", "server")
 
 TIMEOUT_S = 30.0
 
@@ -163,3 +164,16 @@ def test_a_client_whose_base_url_misses_v1_is_told_where_the_routes_are(served, 
     with pytest.raises(openai.NotFoundError) as caught:
         sdk.embeddings.create(model=MODEL, input="x")  # no route under /v1 either
     assert "OpenAI routes are under" not in caught.value.message, caught.value.message
+
+
+def test_a_path_missing_v1_asked_with_another_method_names_the_route_not_the_method(served):
+    """``GET /chat/completions`` (a base URL without ``/v1`` and the wrong method): the route
+    it meant takes POST only, so the 404 names the route and says it is for another
+    method, never ``GET /v1/chat/completions is one``."""
+    url, _, _ = served
+    answer = httpx.get(url.removesuffix("/v1") + "/chat/completions", timeout=TIMEOUT_S)
+    assert answer.status_code == 404, answer.text
+    message = answer.json()["error"]["message"]
+    assert message.startswith("GET /chat/completions: no such route: /v1/chat/completions is "
+                              "one, for another method than GET (the OpenAI routes are under "
+                              "/v1"), message

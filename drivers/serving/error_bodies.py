@@ -156,12 +156,13 @@ def under_v1(path: str) -> str | None:
 
 
 def route_error(method: str, path: str, http_status: int,
-                headers: dict[str, str] | None = None, meant: str | None = None
-                ) -> JSONResponse:
+                headers: dict[str, str] | None = None,
+                meant: tuple[str, bool] | None = None) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
     path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``.
-    ``meant``: the route (:func:`under_v1`) the path reaches with ``/v1`` once, which the 404
-    names (a client's base URL without ``/v1`` was told only "no such route")."""
+    ``meant``: (the route the path reaches with ``/v1`` once, :func:`under_v1`; whether it
+    takes ``method``), which the 404 names (a client's base URL without ``/v1`` was told only
+    "no such route")."""
     path = path[:200]
     if http_status == 405:
         allowed = (headers or {}).get("allow") or (headers or {}).get("Allow") or "?"
@@ -170,9 +171,11 @@ def route_error(method: str, path: str, http_status: int,
                                 f"(allowed: {allowed})")
     elif meant is not None:
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
-                                f"{method} {path}: no such route: {method} {meant[:200]} is "
-                                "one (the OpenAI routes are under /v1: a client's base URL "
-                                "ends with /v1 once, http://HOST:PORT/v1)")
+                                f"{method} {path}: no such route: "
+                                + (f"{method} {meant[0][:200]} is one" if meant[1] else
+                                   f"{meant[0][:200]} is one, for another method than {method}")
+                                + " (the OpenAI routes are under /v1: a client's base URL ends "
+                                "with /v1 once, http://HOST:PORT/v1)")
     else:
         why = not_served(path) or encoded_separator(path)
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,

@@ -145,9 +145,9 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
             auth = openai_api.auth_refusal(request, config.api_key)
             if auth is not None:
                 return error_response(auth.status, auth.param, retry, auth.http_status)
-        meant = error_bodies.under_v1(path) if exc.status_code == 404 else None
-        if meant is not None and not _routed(app, request.scope, meant):
-            meant = None
+        under = error_bodies.under_v1(path) if exc.status_code == 404 else None
+        match = Match.NONE if under is None else _routed(app, request.scope, under)
+        meant = None if under is None or match is Match.NONE else (under, match is Match.FULL)
         return route_error(request.method, request.url.path, exc.status_code,
                            dict(exc.headers or {}), meant)
 
@@ -381,11 +381,12 @@ class AsteriskForm:
         await response(scope, receive, send)
 
 
-def _routed(app: FastAPI, scope: Any, path: str) -> bool:
-    """Whether one of ``app``'s routes takes ``path`` (any method: a 405 there still names
-    the route a client meant)."""
+def _routed(app: FastAPI, scope: Any, path: str) -> Match:
+    """How ``app``'s routes take ``path`` with the request's method: ``FULL`` (a route
+    takes it), ``PARTIAL`` (a route of the path, for another method), ``NONE``."""
     probe = {**scope, "path": path, "raw_path": path.encode("utf-8", "replace")}
-    return any(route.matches(probe)[0] is not Match.NONE for route in app.routes)
+    matches = {route.matches(probe)[0] for route in app.routes}
+    return next((m for m in (Match.FULL, Match.PARTIAL) if m in matches), Match.NONE)
 
 
 class RawPaths:
