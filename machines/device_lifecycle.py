@@ -1095,7 +1095,8 @@ class DeviceLifecycle:
                                      **self._gctx())
             self.fail(status)
             return status
-        drained = self._drain(policy.drain_grace_s, interruptible=True)
+        drained = self._drain(policy.drain_grace_s, interruptible=True,
+                              reset_follows=policy.reset_kind != "none")
         reset_done = False
         # A job still on the device after the drain grace needs the safe reset whatever the
         # cause of this recovery (§9.1: a model switch or a LIFECYCLE rebuild asks for none,
@@ -1378,7 +1379,8 @@ class DeviceLifecycle:
         # ``drain_grace_s``, and the shutdown answered recovery_busy)
         interrupted = self.stopping
         drained = fenced and self._drain(policy.drain_grace_s, device_too=not interrupted,
-                                         interruptible=True)
+                                         interruptible=True,
+                                         reset_follows=policy.reset_kind != "none")
         with self.mu:
             met, self._reset_for = self._reset_for, None
         reset = Status.OK
@@ -1492,7 +1494,8 @@ class DeviceLifecycle:
                 pass
 
     def _drain(self, grace: float, device_too: bool = True,
-               interruptible: bool = False, deadline: float | None = None) -> bool:
+               interruptible: bool = False, deadline: float | None = None,
+               reset_follows: bool = False) -> bool:
         """Wait until every queued job was failed or submitted and every submitted job
         returned from Wait (or the grace ends: bounded). ``device_too`` False: wait only for
         the queued ones (the submitter fails them at once once cancelled), then answer
@@ -1502,7 +1505,11 @@ class DeviceLifecycle:
         ``deadline`` (a ``Clock.monotonic()`` value): the end of a caller's grace, used as is
         instead of ``grace`` from now (what is left of a deadline, passed on as seconds and
         added to a later reading, ended later by however long the host kept the thread from
-        that reading)."""
+        that reading). ``reset_follows``: a recovery's drain before the reset it makes
+        when undrained, which ends (undrained) once all that is left is jobs the executor
+        declared hung (``device.hung`` reported): only that reset ends them, and waiting out
+        the grace for them kept the device from serving ``drain_grace_s`` longer for
+        nothing (5 s a hung job until stop 71)."""
         host = self._host
         clock = host.clock
         if deadline is None:
@@ -1514,6 +1521,9 @@ class DeviceLifecycle:
             if self.all_submitted_drained():
                 return True
             if interruptible and self.stopping:
+                return False
+            if (reset_follows and not len(host.completion)
+                    and host.dispatch.only_declared_hung()):
                 return False
             if not device_too:
                 queue = host.dispatch.snapshot()

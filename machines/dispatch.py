@@ -240,6 +240,16 @@ class Dispatch:
             return (self._inflight == 0 and self._handing_off == 0 and not self._queue
                     and not self._armed)
 
+    def only_declared_hung(self) -> bool:
+        """Nothing queued, armed, handed off or relayed, and every job in flight is one the
+        runtime still holds after a failed Wait whose ``device.hung`` was reported (past its
+        grace): no Wait will end them, only a reset. (A recovery's drain stops waiting
+        then: ``DeviceLifecycle._drain``.)"""
+        with self.mu:
+            return (bool(self._held) and self._inflight == len(self._held)
+                    and self._handing_off == 0 and not self._queue and not self._armed
+                    and not self._relayed and all(entry.reported for entry in self._held))
+
     def snapshot(self) -> DispatchSnapshot:
         with self.mu:
             return {"queued": len(self._queue), "inflight": self._inflight,

@@ -104,7 +104,8 @@ class RecoveryPolicy:
     #: "none" means the runtime offers no safe reset: a hung device ends Failed and the
     #: embedding process exits for its supervisor (§9.1).
     reset_kind: str = attrs.field(default="reset", validator=_reset_kind)
-    #: how long a drain waits for submitted jobs before the reset (or Failed)
+    #: how long a drain waits for submitted jobs before the reset (or Failed); a recovery's
+    #: drain ends sooner once all that is left is jobs declared hung (``device.hung``)
     drain_grace_s: float = attrs.field(default=5.0, validator=_policy_number(0))
     #: escalation: more recoveries than this within the window -> Failed
     max_recoveries: int = attrs.field(default=5, validator=_policy_number(0, integral=True))
