@@ -9,6 +9,13 @@
    given to let go. The drain now ends, undrained, once nothing but such jobs is left, and the
    reset follows at once.
 
+2. The reference server's worker pools (``drivers/serving/threads.py`` ``WorkerPool``: decode
+   bursts, sequence releases, request steps) never let an idle thread go: after a soak at 64
+   clients (``calexec bench soak --clients 64``) 32 ``calexec-worker``, 30 ``calexec-burst``
+   and 7 ``calexec-seq-release`` threads stayed idle for the life of the server (anyio's
+   worker threads, which the steps ran on until stop 70, end after 10 s idle). A worker idle
+   for ``idle_s`` now ends while another idle worker is left: the pool shrinks back to one.
+
 Bundled emulator, seeded fault plans; every wait bounded; no timing threshold (the drain grace
 is made far longer than any bounded wait of the test, so the old code fails by never
 recovering within it).
@@ -23,6 +30,9 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.serving.threads import IDLE_S, WorkerPool
+from calexec.drivers.tools.interleave import explore_threads
+from calexec.machines.clock import Clock
 from calexec.machines.faults import RecoveryPolicy
 from executor_harness import (
     arm,
@@ -96,3 +106,58 @@ def test_a_golden_job_that_hangs_is_reset_once_declared_hung(calbin, tmp_path, h
         until(lambda: ex.state == "Ready" and not ex.health(), 30, "Ready")
         assert len(ex.recoveries[-1]["refused"]) == 1, ex.recoveries[-1]
         assert greedy(ex, 3, PROMPT, 2) == expected_greedy(PROMPT, 2)
+
+
+def test_an_idle_pool_shrinks_back_to_one_worker_and_grows_again():
+    """Under the explorer's virtual clock (no real sleep): three calls held at once start
+    three workers; once they ran and the pool idled ``IDLE_S`` (virtual) seconds, one worker
+    is left, idle, ready for the next call without a thread start; three calls held at once
+    again start the two missing workers (the keeper, as before, the only starter), and every
+    thread ends at the shutdown. On the old code the three workers stay."""
+    seen: list[dict[str, int]] = []
+
+    def scenario(clock: Clock):
+        pool = WorkerPool(3, "t-idle", clock=clock)
+        state = {"running": 0}
+        gate = clock.semaphore(0)
+        all_in = clock.semaphore(0)
+
+        def held() -> int:
+            state["running"] += 1
+            if state["running"] == 3:
+                all_in.release()
+            gate.acquire()
+            state["running"] -= 1
+            return 1
+
+        def driver() -> None:
+            for round_ in range(2):
+                futures = [pool.submit(held) for _ in range(3)]
+                all_in.acquire()  # three calls run at once: three workers
+                seen.append({"round": round_, "busy": pool.workers})
+                for _ in range(3):
+                    gate.release()
+                for future in futures:
+                    while not future.done():
+                        clock.sleep(0.001)
+                clock.sleep(3 * IDLE_S)  # idle (virtual time)
+                seen.append({"round": round_, "idle": pool.workers})
+            pool.shutdown()
+
+        clock.start_thread(driver, "driver")
+
+        def final() -> bool | str:
+            return pool.workers == 0 or f"{pool.workers} workers after the shutdown"
+        return final
+
+    found = explore_threads(scenario, seeds=range(20), horizon_s=600.0)
+    assert found.failure is None, found.failure.message
+    assert seen[:4] == [{"round": 0, "busy": 3}, {"round": 0, "idle": 1},
+                        {"round": 1, "busy": 3}, {"round": 1, "idle": 1}], seen[:4]
+
+
+def test_an_idle_time_that_is_no_number_of_seconds_is_refused_naming_it():
+    for bad in (0, -1.0, float("nan"), "10", True):
+        with pytest.raises(ValueError, match=f"idle_s must be a number of seconds > 0, got "
+                                             f"{bad!r}"):
+            WorkerPool(1, "t-bad", idle_s=bad)

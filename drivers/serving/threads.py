@@ -10,7 +10,10 @@ of the pool's own (its *keeper*, started with the pool) starts the workers, one 
 submit takes the last idle one (so the next submit finds one ready) or finds none, up to
 ``max_workers``; none before the first submit. A call waits in
 the queue for the next free or newly started worker; it never waits for a thread to start on
-the submitter's thread.
+the submitter's thread. A worker idle for ``idle_s`` (:data:`IDLE_S`, 10 s, as anyio's
+worker threads) ends while another idle worker is left to take the next call: after a burst
+of concurrency the pool shrinks back to one idle worker (until stop 71 every thread a burst
+started stayed for the life of the server: 69 idle threads after a soak at 64 clients).
 
 The threads hold the pool's shared state, not the pool: when the :class:`WorkerPool` is
 collected without :meth:`WorkerPool.shutdown` (an app dropped by a test), its threads end as a
@@ -36,6 +39,7 @@ import itertools
 import logging
 import queue
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -47,6 +51,8 @@ T = TypeVar("T")
 _STOP = object()  # (a worker's queue item: end)
 #: the longest wait (s) before the keeper asks the host again for a worker it refused
 RESTART_MAX_S = 1.0
+#: how long (s) a worker waits idle before it ends, when another idle worker is left
+IDLE_S = 10.0
 _RESTART_FIRST_S = 0.01
 
 log = logging.getLogger("calexec.server")
@@ -57,10 +63,11 @@ class _Shared:
     there are, are idle and unclaimed (``free``), are being started, and how many queued calls
     no idle worker was counted for (``backlog``)."""
 
-    def __init__(self, max_workers: int, name: str, clock: Clock) -> None:
+    def __init__(self, max_workers: int, name: str, clock: Clock, idle_s: float) -> None:
         self.max_workers = max_workers
         self.name = name
         self.clock = clock
+        self.idle_s = idle_s
         # the host's clock (``real``: a native wait stands in for its waits): the C queue,
         # a tenth of ``queue.Queue``'s put and get (about 1.3 us a call) on the event loop's
         # submit; another clock's (the explorer's) for its scheduler to see
@@ -98,6 +105,18 @@ class _Shared:
             self.backlog -= 1
         else:
             self.free += 1
+
+    def retire(self) -> bool:
+        """(Under ``mu``, a worker idle for ``idle_s``.) Whether it ends now: the pool is not
+        closed (each worker then takes one of the stops ``close`` queued) and another idle
+        worker no queued call was counted against is left, so the next submit still finds
+        one ready. An idle worker is counted in ``free`` until a submit claims it; idle
+        workers are alike, so the one that ends takes one of those counts."""
+        if self.closed or self.free < 2:
+            return False
+        self.free -= 1
+        self.workers -= 1
+        return True
 
     def close(self) -> None:
         """No new calls; every worker ends once the calls already queued ran (the keeper still
@@ -153,7 +172,14 @@ class _Shared:
         while True:
             with self.mu:
                 self.idle()
-            item = self.work.get()
+            while True:
+                try:
+                    item = self.work.get(True, self.idle_s)
+                    break
+                except queue.Empty:  # idle that long: end unless it is the last one idle
+                    with self.mu:
+                        if self.retire():
+                            return
             if item is _STOP:
                 with self.mu:
                     self.workers -= 1
@@ -180,14 +206,20 @@ class _Shared:
 
 class WorkerPool:
     """Up to ``max_workers`` daemon threads named ``{name}_N`` that run submitted calls; a
-    submit never starts a thread (module doc). ``shutdown`` is final: later submits raise
+    submit never starts a thread, and a worker idle ``idle_s`` seconds ends while another
+    idle one is left (module doc). ``shutdown`` is final: later submits raise
     ``RuntimeError`` as a shut-down ``ThreadPoolExecutor``'s do. ``clock``: where its
     threads and their lock come from (module doc)."""
 
-    def __init__(self, max_workers: int, name: str, clock: Clock = SYSTEM) -> None:
+    def __init__(self, max_workers: int, name: str, clock: Clock = SYSTEM,
+                 idle_s: float = IDLE_S) -> None:
         if max_workers < 1:
             raise ValueError(f"WorkerPool max_workers must be >= 1, got {max_workers}")
-        self._shared = _Shared(max_workers, name, clock)
+        if not (isinstance(idle_s, (int, float)) and not isinstance(idle_s, bool)
+                and 0 < idle_s <= threading.TIMEOUT_MAX):
+            raise ValueError(f"WorkerPool idle_s must be a number of seconds > 0, got "
+                             f"{idle_s!r}")
+        self._shared = _Shared(max_workers, name, clock, float(idle_s))
         self._keeper = clock.start_thread(self._shared.keep, f"{name}-keeper")
         weakref.finalize(self, self._shared.close)
 
