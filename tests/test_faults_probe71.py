@@ -30,6 +30,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import Device
 from calexec.drivers.serving.threads import IDLE_S, WorkerPool
 from calexec.drivers.tools.interleave import explore_threads
 from calexec.machines.clock import Clock
@@ -37,6 +38,7 @@ from calexec.machines.faults import RecoveryPolicy
 from executor_harness import (
     arm,
     deadline,
+    decode,
     expected_greedy,
     fired,
     greedy,
@@ -161,3 +163,74 @@ def test_an_idle_time_that_is_no_number_of_seconds_is_refused_naming_it():
         with pytest.raises(ValueError, match=f"idle_s must be a number of seconds > 0, got "
                                              f"{bad!r}"):
             WorkerPool(1, "t-bad", idle_s=bad)
+
+
+# ---- faults at awkward moments that were already handled (kept as regression tests) ----------
+@pytest.fixture
+def held_reset(monkeypatch):
+    """The driver's full reset held until the test opens ``gate`` (bounded), as
+    tests/test_fi06_admission.py holds it: requests provably arrive while a recovery runs."""
+    entered, gate = threading.Event(), threading.Event()
+    real = Device.reset
+
+    def reset(self):
+        entered.set()
+        gate.wait(20.0)
+        return real(self)
+
+    monkeypatch.setattr(Device, "reset", reset)
+    yield entered, gate
+    gate.set()
+
+
+def test_a_deadline_or_a_cancel_ends_a_wait_for_ready_while_the_recovery_runs(calbin,
+                                                                              held_reset):
+    """``ready_queue_max``: a request arriving while the recovery after a CCU exception sits
+    in its reset waits for Ready; its deadline ends the wait (``admission.deadline``) and so
+    does a cancel from another thread, both while the recovery still runs; then Ready, every
+    resource back, the oracle's tokens."""
+    entered, gate = held_reset
+    with running_executor(calbin, ready_queue_max=2) as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        arm(ex, "CCU_EXCEPTION")
+        failed = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
+        assert isinstance(failed, Status) and failed.code == "device.ccu_exception", failed
+        assert entered.wait(20), "the recovery never reached its reset"
+        short = ex.enqueue(prefill(2, PROMPT, seconds=0.2)).wait_until(deadline())
+        assert isinstance(short, Status) and short.code == "admission.deadline", short
+        assert ex.state == "Recovering"
+        handles: list = []
+        out: dict = {}
+        thread = threading.Thread(target=lambda: out.setdefault("h", ex.enqueue(
+            prefill(3, PROMPT, seconds=60), on_created=handles.append)), daemon=True)
+        thread.start()
+        until(lambda: handles and ex.snapshot()["waiting_for_ready"] == 1, 20, "a waiter")
+        assert handles[0].cancel()
+        thread.join(20)
+        res = out["h"].wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "request.cancelled", res
+        assert ex.state == "Recovering" and ex.snapshot()["waiting_for_ready"] == 0
+        gate.set()
+        until(lambda: ex.state == "Ready" and not ex.health(), 30, "Ready")
+        assert greedy(ex, 4, PROMPT, 2) == expected_greedy(PROMPT, 2)
+        snap = settle(ex)
+        assert snap["inflight"] == snap["queued"] == snap["pending_tokens"] == 0, snap
+
+
+@pytest.mark.parametrize("second", ["OUTPUT_NAN", "OUTPUT_SHORT", "WAIT_RC", "HANG"])
+def test_two_faults_back_to_back_a_request_and_the_recoverys_golden(calbin, second):
+    """A request's CCU exception, then a fault of the recovery's golden run: generation 2 is
+    refused, generation 3 serves the oracle's tokens; both faults reported, nothing held."""
+    with running_executor(calbin, **HUNG) as ex:
+        arm(ex, "CCU_EXCEPTION")
+        arm(ex, second, param=2)  # its point's second call: the golden's first job
+        res = ex.enqueue(prefill(1, PROMPT, seconds=30)).wait_until(deadline(30))
+        assert isinstance(res, Status) and res.code == "device.ccu_exception", res
+        until(lambda: ex.recoveries and ex.state == "Ready" and not ex.health(), 30, "Ready")
+        (record,) = ex.recoveries
+        assert record["ok"] and record["to_generation"] == 3 and len(record["refused"]) == 1, \
+            record
+        assert fired(ex, second) == 1
+        assert greedy(ex, 2, PROMPT, 2) == expected_greedy(PROMPT, 2)
+        assert settle(ex)["inflight"] == 0 and ex.dispatch.held() == []
