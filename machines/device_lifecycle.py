@@ -1307,7 +1307,11 @@ class DeviceLifecycle:
         answered ``shutdown.recovery_busy`` with nothing torn down.)"""
         host = self._host
         record["reset_kind"] = host.config.recovery.reset_kind if reset_done else None
-        on_device = len(host.completion)
+        # the jobs submitted and not completed, and those the runtime still holds after a
+        # failed Wait (in Phase B the completion thread goes on without them: "0 jobs on the
+        # device" was said of a hung job until stop 71)
+        on_device = len({id(job) for job in host.completion.jobs()}
+                        | {id(entry.job) for entry in host.dispatch.held()})
         log.info("recovery after %s stopped by the shutdown while it drained generation %s "
                  "(%d jobs on the device)", reason.code, host.gen.id if host.gen else None,
                  on_device)

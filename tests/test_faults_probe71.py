@@ -15,6 +15,9 @@
    and 7 ``calexec-seq-release`` threads stayed idle for the life of the server (anyio's
    worker threads, which the steps ran on until stop 70, end after 10 s idle). A worker idle
    for ``idle_s`` now ends while another idle worker is left: the pool shrinks back to one.
+3. A recovery a shutdown stopped in its drain said ``0 jobs on the device`` (log line and
+   Status) in Phase B while a hung job was still there (the completion thread goes on without
+   a job the runtime keeps after its failed Wait); it counts those jobs too.
 
 Bundled emulator, seeded fault plans; every wait bounded; no timing threshold (the drain grace
 is made far longer than any bounded wait of the test, so the old code fails by never
@@ -23,6 +26,7 @@ recovering within it).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 
@@ -163,6 +167,30 @@ def test_an_idle_time_that_is_no_number_of_seconds_is_refused_naming_it():
         with pytest.raises(ValueError, match=f"idle_s must be a number of seconds > 0, got "
                                              f"{bad!r}"):
             WorkerPool(1, "t-bad", idle_s=bad)
+
+
+
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_a_recovery_a_shutdown_stopped_names_the_hung_job_still_on_the_device(calbin, caplog,
+                                                                              capacity):
+    """A shutdown stops the recovery while it drains a job that hangs (its grace not over):
+    the recovery's line and its Status name the job still on the device. In Phase B the
+    completion thread goes on without a job the runtime keeps after its failed Wait, and
+    both said ``0`` jobs (then the shutdown answered ``shutdown.not_drained``)."""
+    caplog.set_level(logging.INFO, logger="calexec")
+    with running_executor(calbin, inflight_capacity=capacity, recovery=ENDLESS_DRAIN,
+                          execution_timeout_s=0.3, timeout_grace_s=100_000.0) as ex:
+        arm(ex, "HANG")
+        res = ex.enqueue(prefill(1, PROMPT, seconds=30)).wait_until(deadline(30))
+        assert isinstance(res, Status) and res.code == "execution.deadline", res
+        until(lambda: ex.state == "Draining", 30, "the recovery's drain")
+        status = ex.shutdown(0.2)
+        assert status.code == "shutdown.not_drained", status
+        lines = [r.getMessage() for r in caplog.records
+                 if "stopped by the shutdown while it drained" in r.getMessage()
+                 or "stopped by shutdown() while it drained" in r.getMessage()]
+        assert lines and all("(1 jobs on the device)" in line
+                             or "jobs still on the device: 1)" in line for line in lines), lines
 
 
 # ---- faults at awkward moments that were already handled (kept as regression tests) ----------
