@@ -54,6 +54,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calexec.executor")
 
+
+def _rolled_back(status: Status) -> None:
+    """A KV reservation's rollback before submit: a shrink the KvManager refused
+    (``kv.apply_refused``) leaves the sequence its larger reservation until it is released
+    (the books agree with the runtime: nothing leaks), said on a WARNING line, not dropped."""
+    if not status.ok:
+        log.warning("seq %s: a KV rollback before submit kept the larger reservation: %s",
+                    "?" if status.seq_id is None else status.seq_id, status)
+
 #: how long a caller waits for the submitter to finish arming the job it wants or releases (a
 #: few hundred microseconds of work that never waits; the bound only guards a bug)
 ARMING_WAIT_S = 1.0
@@ -158,7 +167,7 @@ class JobOutcomes:
                 job.lease.slot.undo_slices()
             job.lease.release()
         if live and gen is not None and job.txn is not None and job.txn.run.state == KV_RESERVED:
-            gen.kvc.rollback(job.txn)
+            _rolled_back(gen.kvc.rollback(job.txn))
         self.dispatch.release_budget(job)
         if job.cancel_flag and job.run.state not in (JOB_CANCEL_REQUESTED,):
             job.run.send(JOB_EV_CANCEL)
@@ -193,7 +202,7 @@ class JobOutcomes:
 
         def rollback() -> None:
             if txn is not None and txn.run.state == KV_RESERVED and gen is not None:
-                gen.kvc.rollback(txn)
+                _rolled_back(gen.kvc.rollback(txn))
 
         for step in (undo_slices, quarantine, rollback):
             try:

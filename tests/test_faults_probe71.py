@@ -262,3 +262,22 @@ def test_two_faults_back_to_back_a_request_and_the_recoverys_golden(calbin, seco
         assert fired(ex, second) == 1
         assert greedy(ex, 2, PROMPT, 2) == expected_greedy(PROMPT, 2)
         assert settle(ex)["inflight"] == 0 and ex.dispatch.held() == []
+
+
+def test_a_shrink_refused_while_rolling_back_a_reservation_is_logged(calbin, caplog):
+    """Found at stop 71 (the faults probe, left; fixed by the lead): a job failed before
+    submit (a refused CSR write) rolls its KV reservation back; when the KvManager then
+    refuses the shrink (``Apply`` false), ``KvCoordinator.rollback`` answers
+    ``kv.apply_refused`` and the sequence keeps the larger reservation until released (the
+    books agree with the runtime: nothing leaks), but nothing said so: no line, no count.
+    Now a WARNING on ``calexec.executor`` names the sequence and the refusal."""
+    with running_executor(calbin, "kv_block_size=4") as ex, \
+            caplog.at_level(logging.WARNING, logger="calexec.executor"):
+        arm(ex, "UNKNOWN_CSR")
+        arm(ex, "APPLY_FALSE", param=2)
+        result = ex.enqueue(prefill(1, [1, 2, 3, 4, 5, 6])).wait_until(deadline(10.0))
+        assert isinstance(result, Status) and result.code == "calrt.csr_failed", result
+        assert fired(ex, "APPLY_FALSE") == 1
+    lines = [r.getMessage() for r in caplog.records if "kv.apply_refused" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert "seq 1" in lines[0] and "refused a shrink" in lines[0], lines[0]
