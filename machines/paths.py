@@ -1382,6 +1382,9 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     #: why a later step may be missed: the last step whose send took transitions on events no
     #: step sent (the chart's own callbacks sent or raised them; paths run no callback)
     strayed: str | None = None
+    #: where the run was when drive began: a run restored from its model's saved state, made
+    #: with ``state=``, or driven through a path before is not where every path starts
+    began = run.state
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         model.outcomes = dict(outcomes)
         # (a ChartRun counts into its ``tally``: the chart's ``taken`` unless its owner's own)
@@ -1390,8 +1393,12 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         counts = list(counted)
         try:
             run.send(step.event)
-        except ChartTransitionError:
-            raise
+        except ChartTransitionError as err:  # (until stop 71 re-raised bare: no step named)
+            why = (_unheard(chart.declaration, outcomes) or strayed
+                   or _began_elsewhere(run, path, began))
+            raise PathNotFollowed(
+                chart.name, number, len(path.steps), step, run.state,
+                f"{type(err).__name__}: {err}" + (f"; {why}" if why else "")) from err
         except Exception as err:  # a validator, guard or action of the chart raised
             err.add_note(f"(raised by step {number} of {len(path.steps)} of a {chart.name} "
                          f"path, {_describe(step)}: drive sends each event with no data, so a "
@@ -1401,7 +1408,7 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         if counted[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
                                   _unheard(chart.declaration, outcomes)
-                                  or strayed or _started_elsewhere(chart))
+                                  or strayed or _began_elsewhere(run, path, began))
         sent = _sent_by_the_chart(chart, step, counts, counted)
         if sent:
             strayed = (f"the send of step {number}, {_describe(step)}, also took "
@@ -1442,6 +1449,31 @@ def _not_a_run(run: object) -> str:
                 f"docs/framework.md shows")
     return (f"drive(run={run!r:.60}, path): expected a compiled run, "
             f"compiled(Chart).run(GuardTable.for_chart(Chart, outcomes=path.start))")
+
+
+def _began_elsewhere(run: ChartRun | StatechartRun, path: Path | Walk,
+                     began: str) -> str | None:
+    """Why a run missed a path's step because drive began on it elsewhere than where the path
+    starts (the chart's declared initial state, or the configuration its ``start`` ends in): a
+    run of a chart declaring ``start_configuration_values`` says so (``_started_elsewhere``);
+    any other one (restored from its model's saved state, made with ``state=`` or
+    ``start_value=``, or a path driven on it before) names where it began and the fresh run
+    to drive. None when it began where the path starts."""
+    chart = run.chart
+    if isinstance(run, ChartRun):
+        starts = path.started or chart.initial
+        there = began == starts
+    else:
+        starts = path.started or StatechartRun.skeleton(chart, path.start).state
+        there = set(began.split(",")) == set(starts.split(","))
+    if there:
+        return None
+    return _started_elsewhere(chart) or (
+        f"drive began on a run in {began!r}, not in {starts!r} where the path starts: a run "
+        f"restored from its model's saved state (state=, start_value=), or one a path was "
+        f"driven on before, is not where paths start; drive each path on a fresh run, "
+        f"compiled({chart.name}).run(GuardTable.for_chart({chart.name}, "
+        f"outcomes=path.start))")
 
 
 def _started_elsewhere(chart: CompiledChart) -> str | None:
