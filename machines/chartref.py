@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import pkgutil
+import re
 import signal
 import sys
 import threading
@@ -91,7 +92,11 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
-        packaged = _package_module(os.path.join(root, module_name))
+        directory = os.path.join(root, module_name)
+        if os.path.isdir(directory):  # shop/:Order (a package tab-completed by the shell)
+            raise ChartRefError(ref, f"{module_name!r} is a directory, not a module name: "
+                                f"{_directory_hint(root, directory, class_name)}")
+        packaged = _package_module(directory)
         if packaged is not None and packaged[0] != root:
             # (acme/charts/door.py, a module of package acme.charts: the file's own name,
             # door:Door, fails on its relative imports, w.acme.charts.door:Door is another
@@ -168,7 +173,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)"
                                 f"{_class_name_of(owner, module_name, part)}"
-                                f"{_near_chart(owner, part) or _no_chart(module)}")
+                                f"{_unbound_hint(module, owner, root, part)}")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
         _refuse_shadowed(ref, root, module_name, module)
         if inspect.isfunction(found):  # (a chart factory, say: its repr is an address)
@@ -386,6 +391,77 @@ def _no_chart(module: object) -> str:
     if any(_is_chart(value) for value in held):
         return ""
     return f"; module {getattr(module, '__name__', '?')!r} declares no chart class"
+
+
+#: how many files of a package ``_declaring`` reads, at most (a chart's class statement is
+#: looked for as text: importing every module of a package to find it could run anything)
+_SCAN_FILES = 200
+
+
+def _declaring(directory: str, class_name: str) -> str | None:
+    """The path of the ``.py`` file under ``directory`` (its subdirectories too, at most
+    ``_SCAN_FILES`` files) whose text declares ``class_name`` (``class OrderFlow(`` or
+    ``OrderFlow = ...`` at the start of a line), or None."""
+    if not class_name.isidentifier():
+        return None
+    pattern = re.compile(rf"^(class\s+{class_name}\b|{class_name}\s*=)", re.MULTILINE)
+    read = 0
+    for here, dirs, files in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if d.isidentifier())
+        for name in sorted(files):
+            if not name.endswith(".py") or read >= _SCAN_FILES:
+                continue
+            read += 1
+            path = os.path.join(here, name)
+            try:
+                with open(path, encoding="utf-8", errors="replace") as source:
+                    if pattern.search(source.read(1_000_000)):
+                        return path
+            except OSError:
+                continue
+    return None
+
+
+def _directory_hint(root: str, directory: str, class_name: str) -> str:
+    """What to name for ``directory`` given as a module (``shop/:OrderFlow``): the module under
+    it that declares ``class_name``, else the directory's own module name."""
+    path = _declaring(directory, class_name)
+    dotted = _module_under(root, path) if path is not None else None
+    if path is not None and dotted is not None:
+        return (f"{class_name} is declared in {os.path.relpath(path, root)}: name "
+                f"{dotted.removesuffix('.__init__')}:{class_name}")
+    parts = os.path.relpath(os.path.normpath(directory), root).split(os.sep)
+    if all(part.isidentifier() for part in parts):
+        return f"name the module, as imported from {root} (e.g. {'.'.join(parts)}:{class_name})"
+    return f"run from the directory that holds the chart's module and name it (MODULE:{class_name})"
+
+
+def _unbound_hint(module: object, owner: object, root: str, name: str) -> str:
+    """The end of the line refusing a ``name`` its ``owner`` (the module, or a class of it)
+    does not bind: the submodule declaring it, a chart class near it, or that the module
+    declares none."""
+    return ((_in_submodule(module, root, name) if owner is module else "")
+            or _near_chart(owner, name) or _no_chart(module))
+
+
+def _in_submodule(module: object, root: str, class_name: str) -> str:
+    """``; OrderFlow is declared in shop/workflow.py: name shop.workflow:OrderFlow`` when
+    ``module`` is a package whose own module does not bind ``class_name`` but a module under
+    it declares it (the package's ``__init__`` imports nothing), "" otherwise."""
+    paths = getattr(module, "__path__", None)
+    if not paths:
+        return ""
+    for directory in list(paths)[:4]:
+        path = _declaring(str(directory), class_name)
+        if path is None or os.path.basename(path) == "__init__.py" and (
+                os.path.dirname(path) == str(directory)):
+            continue
+        dotted = _module_under(root, path)
+        if dotted is None:
+            return f"; {class_name} is declared in {path}: name its module"
+        return (f"; {class_name} is declared in {os.path.relpath(path, root)}: name "
+                f"{dotted.removesuffix('.__init__')}:{class_name}")
+    return ""
 
 
 def _near(name: str, names: list[str]) -> str | None:
