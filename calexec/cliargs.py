@@ -741,6 +741,24 @@ def cannot_write(path: str | os.PathLike[str] | None, exc: BaseException,
     return UserError(f"cannot write {what}: {reason}")
 
 
+def cannot_run(program: str, exc: OSError, cwd: str | os.PathLike[str] | None = None) -> str:
+    """Why a test command's ``program`` could not be started (``exc`` from ``Popen``), for a
+    one-line error: the OS error, and what the program is when that error misleads: a
+    directory (``Permission denied``), or a file of the directory the command runs in
+    (``cwd``) that is not on PATH (``No such file or directory``, of a file that is there;
+    until stop 71 the OS error alone)."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    where = os.path.join(os.fspath(cwd) if cwd is not None else os.getcwd(), program)
+    if program and os.path.isdir(where):
+        return f"{reason}: {program!r} is a directory, not a program"
+    if (program and "/" not in program and os.sep not in program and os.path.isfile(where)
+            and isinstance(exc, FileNotFoundError)):
+        give = f"python {program}" if program.endswith(".py") else f"./{program}"
+        return (f"{reason}: {program!r} is not on PATH, but a file of that name is in the "
+                f"directory the command runs in: give {give}")
+    return reason
+
+
 #: what a character becomes inside ``$'...'`` (:func:`shell_word`), besides ``\\xHH``
 _ANSI_C = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from calexec.cliargs import EXIT_FAILED, UserError, sigterm_interrupts
+from calexec.cliargs import EXIT_FAILED, UserError, cannot_run, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
 from calexec.drivers.tools.bench.subproc import call_group
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
@@ -182,7 +182,8 @@ def main(argv: list[str]) -> int:
             with sigterm_interrupts():
                 code = call_group(args.command, env)
         except OSError as err:
-            raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
+            raise UserError(f"test command {args.command[0]!r}: "
+                            f"{cannot_run(args.command[0], err)}") from None
         hits, loaded, errors = merge(scratch)
         other = twins(scratch)
     if errors:

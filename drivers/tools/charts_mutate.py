@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
             code, baseline_s, output = _run(command, cwd, probe, None, running)
         except OSError as err:  # not found, not executable
             print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
-                  f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
+                  f"{command[0]!r}: {cliargs.cannot_run(command[0], err, cwd)}", file=sys.stderr)
             return 2
         finally:
             if previous is not None:
