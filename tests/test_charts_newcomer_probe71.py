@@ -6,9 +6,13 @@ command and the API, and at what it gets wrong."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from statemachine import State, StateChart, StateMachine
 
+from calexec.cli import main as cli
+from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import compiled
 from calexec.machines.paths import GuardTable, PathNotFollowed, drive, state_paths
 
@@ -77,3 +81,110 @@ def test_a_statechart_run_driven_twice_says_it_began_elsewhere_not_that_a_statec
     assert "drive began on a run in 'delivered', not in 'moving,packed' where the path " \
            "starts" in message, message
     assert "StateChart ignores" not in message, message
+
+
+_WORKFLOW = '''
+from statemachine import State, StateChart
+
+from .rules import Rules  # noqa: F401  (a package's module imports its siblings)
+
+
+class OrderFlow71(StateChart):
+    cart = State(initial=True)
+    done = State(final=True)
+    checkout = cart.to(done)
+'''
+
+
+def _package(tmp_path: Path) -> str:
+    package = tmp_path / "shop71"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rules.py").write_text("class Rules:\n    pass\n")
+    (package / "workflow.py").write_text(_WORKFLOW)
+    return str(tmp_path)
+
+
+def test_a_package_directory_given_for_the_module_names_the_module_declaring_the_class(
+        tmp_path: Path) -> None:
+    """``charts paths shop/:OrderFlow`` (a package directory, tab-completed by the shell) said
+    "'shop/' is a file path, not a module name: run from the directory that holds it and name
+    the module (e.g. shop/:OrderFlow)": the very text refused, from the directory that holds
+    it. It now says it is a directory and names the module that declares the class."""
+    root = _package(tmp_path)
+    with pytest.raises(ChartRefError) as refused:
+        load_chart("shop71/:OrderFlow71", cwd=root)
+    message = str(refused.value)
+    assert "e.g. shop71/:OrderFlow71" not in message, message
+    assert message == (
+        "'shop71/:OrderFlow71': 'shop71/' is a directory, not a module name: OrderFlow71 is "
+        "declared in shop71/workflow.py: name shop71.workflow:OrderFlow71"), message
+
+
+def test_a_package_named_for_the_module_of_its_submodules_chart_names_the_submodule(
+        tmp_path: Path) -> None:
+    """``charts paths shop:OrderFlow``, the package named where its module ``shop.workflow``
+    declares the chart (the package's ``__init__`` imports nothing): "module 'shop' has no
+    attribute 'OrderFlow' ...; module 'shop' declares no chart class", no word of where the
+    class is. It now ends with the module that declares it."""
+    root = _package(tmp_path)
+    with pytest.raises(ChartRefError) as refused:
+        load_chart("shop71:OrderFlow71", cwd=root)
+    message = str(refused.value)
+    assert message.endswith("; OrderFlow71 is declared in shop71/workflow.py: name "
+                            "shop71.workflow:OrderFlow71"), message
+    assert load_chart("shop71.workflow:OrderFlow71", cwd=root).__name__ == "OrderFlow71"
+
+
+_LAMP = '''
+from statemachine import State, StateMachine
+
+
+class Lamp71(StateMachine):
+    off = State(initial=True)
+    on = State()
+    switch = off.to(on) | on.to(off)
+'''
+
+
+def _lamp_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "lamp71.py").write_text(_LAMP)
+    (tmp_path / "run_tests.py").write_text("print('ok')\n")  # a script, not executable
+    (tmp_path / "tests").mkdir()
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("program, says", [
+    ("run_tests.py", "'run_tests.py' is not on PATH, but a file of that name is in the "
+                     "directory the command runs in: give python run_tests.py"),
+    ("tests", "'tests' is a directory, not a program"),
+])
+def test_cover_given_a_script_of_the_directory_or_a_directory_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        program: str, says: str) -> None:
+    """``charts cover --chart lamp:Lamp -- run_tests.py`` (the script beside the chart, not on
+    PATH) said "test command 'run_tests.py': No such file or directory", of a file that is
+    there, and ``-- tests`` (a directory) "Permission denied"; each now says what it is and
+    what to give."""
+    _lamp_project(tmp_path, monkeypatch)
+    assert cli(["charts", "cover", "--chart", "lamp71:Lamp71", "--", program]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("program, says", [
+    ("run_tests.py", "'run_tests.py' is not on PATH, but a file of that name is in the "
+                     "directory the command runs in: give python run_tests.py"),
+    ("./tests", "'./tests' is a directory, not a program"),
+])
+def test_mutate_given_a_script_of_the_directory_or_a_directory_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        program: str, says: str) -> None:
+    """``charts mutate --test-cmd run_tests.py`` and ``--test-cmd ./tests``: as ``cover``'s,
+    "cannot run 'run_tests.py': No such file or directory" / "Permission denied"."""
+    _lamp_project(tmp_path, monkeypatch)
+    assert cli(["charts", "mutate", "--chart", "lamp71:Lamp71", "--test-cmd", program,
+                "--report", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
