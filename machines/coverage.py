@@ -222,6 +222,21 @@ def _same_name(name: str, one: type, other: type) -> str:
             f"mix; give one class another name")
 
 
+def gate_percentage(text: str) -> float | None:
+    """A coverage or mutation gate as given (``--min``, ``--chart-coverage-min``,
+    ``chart_coverage_min``, ``--fail-under``): a number 0..100, with or without a ``%``
+    (``90%``: until stop 71 refused as "expected a percentage"); None for anything else
+    (a word, nan, inf, 1e400, a value out of range), which the caller refuses naming its
+    flag."""
+    number = text.strip()
+    number = number[:-1].rstrip() if number.endswith("%") else number
+    try:
+        value = float(number)
+    except ValueError:
+        return None
+    return value if 0 <= value <= 100 else None  # (nan, inf: not in range)
+
+
 def describe(transition: Transition) -> str:
     """``Source --event [guards]--> Target`` for listings of untaken transitions."""
     guards = f" [{', '.join(transition.guards)}]" if transition.guards else ""

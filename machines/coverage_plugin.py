@@ -47,7 +47,6 @@ cannot run against the mutant, so it is killed, as it is without the plugin; a u
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -113,11 +112,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def _minimum(text: str, origin: str) -> float:
     """``text`` as a gate, or one usage error naming ``origin`` and the value as given."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 100:  # (nan, inf and a word included)
+    from calexec.machines.coverage import gate_percentage  # (imports python-statemachine)
+
+    value = gate_percentage(text)
+    if value is None:  # (nan, inf and a word included)
         raise pytest.UsageError(f"{origin}={text!r}: expected a percentage (0-100)")
     return value
 

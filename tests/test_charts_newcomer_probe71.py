@@ -6,6 +6,9 @@ command and the API, and at what it gets wrong."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,3 +191,42 @@ def test_mutate_given_a_script_of_the_directory_or_a_directory_says_so(
                 "--report", str(tmp_path / "report")]) == 2
     err = capsys.readouterr().err
     assert says in err, err
+
+
+def test_cover_takes_a_gate_written_with_a_percent_sign(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts cover --min 90%``, as a newcomer writes a percentage: "--min='90%': expected a
+    percentage (0-100)", of a percentage. ``90%`` is now 90."""
+    _lamp_project(tmp_path, monkeypatch)
+    command = ["python", "-c", "import lamp71; lamp71.Lamp71().send('switch')"]
+    assert cli(["charts", "cover", "--chart", "lamp71:Lamp71", "--min", "50%", "--"]
+               + command) == 0
+    assert "transition coverage Lamp71: 1/2 (50.0 %)" in capsys.readouterr().out
+    assert cli(["charts", "cover", "--chart", "lamp71:Lamp71", "--min", "90 %", "--"]
+               + command) == 1
+    assert "transition coverage gate FAILED for Lamp71: 50.0 % < 90 %" in capsys.readouterr().out
+    assert cli(["charts", "cover", "--chart", "lamp71:Lamp71", "--min", "%", "--"]
+               + command) == 2
+    assert "--min='%': expected a percentage (0-100)" in capsys.readouterr().err
+
+
+def test_the_plugin_and_mutate_take_a_gate_written_with_a_percent_sign(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pytest --chart-coverage-min=50%`` was a usage error, exit 4, and ``charts mutate
+    --fail-under 80%`` exit 2, as ``charts cover --min``'s."""
+    _lamp_project(tmp_path, monkeypatch)
+    (tmp_path / "tests" / "test_lamp.py").write_text(
+        "import lamp71\n\ndef test_switch():\n    lamp71.Lamp71().send('switch')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for gate, status in (("50%", 0), ("100%", 1)):
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+             "--chart-coverage=lamp71:Lamp71", f"--chart-coverage-min={gate}", "tests"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        output = done.stdout + done.stderr
+        assert done.returncode == status, output
+        assert "transition coverage Lamp71: 1/2" in output, output
+    # (accepted, the next check refuses the run: --cwd)
+    assert cli(["charts", "mutate", "--chart", "lamp71:Lamp71", "--test-cmd", "true",
+                "--fail-under", "80%", "--cwd", "nowhere"]) == 2
+    assert "--cwd='nowhere': not a directory" in capsys.readouterr().err

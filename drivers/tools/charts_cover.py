@@ -37,6 +37,7 @@ from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.coverage import (
     TransitionRecorder,
     describe,
+    gate_percentage,
     import_directory,
     other_imports,
     report,
@@ -92,11 +93,8 @@ def _reason(err: Exception) -> str:
 
 
 def _minimum(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UserError(f"--min={text!r}: expected a percentage (0-100)") from None
-    if not 0 <= value <= 100:
+    value = gate_percentage(text)
+    if value is None:
         raise UserError(f"--min={text!r}: expected a percentage (0-100)")
     return value
 

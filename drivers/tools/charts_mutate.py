@@ -54,6 +54,7 @@ from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
 from calexec.machines.chart_support import UnsupportedChart, refuse_unsupported
 from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.coverage import gate_percentage
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
 CALEXEC_CHARTS = {
@@ -573,11 +574,8 @@ def _percentage(flag: str, text: str) -> float:
     """``text`` as a percentage, or a ``ValueError`` naming ``flag`` and ``text`` as given (a
     word, nan, inf and 1e400 included), as ``charts cover --min`` and the pytest plugin's
     ``--chart-coverage-min`` refuse theirs."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= 100:  # (nan too)
+    value = gate_percentage(text)
+    if value is None:  # (nan too)
         raise ValueError(f"{flag}={_as_given(text)}: expected a percentage (0-100)")
     return value
 
