@@ -91,9 +91,23 @@ def declared_in(chart: CompiledChart) -> str:
     return path.encode("utf-8", errors="replace").decode("utf-8")
 
 
+def _escaped(text: str) -> str:
+    """``text`` inside a DOT double-quoted label, drawn as written: a backslash is graphviz's
+    escape (``\\l``, ``\\N``, ...) and ``&`` begins an entity (``&lt;``), so both are escaped
+    (until stop 71 a state named ``C:\\logs`` was drawn ``C:`` / ``ogs``, its ``\\l`` a line
+    end, and ``&lt;`` as ``<``)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("&", "&amp;")
+
+
 def _q(text: str) -> str:
-    """A DOT double-quoted string (``\\l`` line ends are kept as graphviz escapes)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\\\\l", "\\l") + '"'
+    """A DOT double-quoted string of ``text``, drawn as written."""
+    return '"' + _escaped(text) + '"'
+
+
+def _q_lines(lines: Iterable[str]) -> str:
+    """A DOT double-quoted label of ``lines``, each ended by graphviz's left-justified line
+    end ``\\l`` (the only escape of the label: the lines' own text is drawn as written)."""
+    return '"' + "".join(f"{_escaped(line)}\\l" for line in lines) + '"'
 
 
 #: DOT's keywords (case-insensitive): as a bare ID, ``node [...]`` would set every node's defaults
@@ -458,7 +472,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | Iterable[str] | None 
             edges.setdefault((t.source, t.target), []).append(transition_label(chart, t))
             ids.setdefault((t.source, t.target), []).append(t.id)
     for (source, target), labels in edges.items():
-        text = _q("".join(f"{line}\\l" for line in labels))
+        text = _q_lines(labels)
         # the SVG group of the edge is named after the transition ids it draws (live rates)
         edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
         path = (f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
@@ -548,7 +562,7 @@ def _render_nested_dot(chart: CompiledChart, active: frozenset[str], taken: froz
         edges.setdefault((t.source, t.target), []).append(label)
         ids.setdefault((t.source, t.target), []).append(t.id)
     for (source, target), labels in edges.items():
-        text = _q("".join(f"{line}\\l" for line in labels))
+        text = _q_lines(labels)
         edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
         extra = ""
         if source in history_ids:
