@@ -324,7 +324,7 @@ class _Running:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: set[subprocess.Popen[str]] = set()
+        self._live: set[subprocess.Popen[bytes]] = set()
         self._stopped = False
 
     def check(self) -> None:
@@ -333,7 +333,7 @@ class _Running:
             if self._stopped:
                 raise _Stopped
 
-    def add(self, proc: subprocess.Popen[str]) -> None:
+    def add(self, proc: subprocess.Popen[bytes]) -> None:
         """Record ``proc``; once stopped, end it and raise :class:`_Stopped`."""
         with self._lock:
             if not self._stopped:
@@ -342,7 +342,7 @@ class _Running:
         _kill(proc)
         raise _Stopped
 
-    def discard(self, proc: subprocess.Popen[str]) -> None:
+    def discard(self, proc: subprocess.Popen[bytes]) -> None:
         with self._lock:
             self._live.discard(proc)
 
@@ -367,27 +367,32 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
     """(exit code or None on timeout, seconds, output). The command runs in its own process
     group, killed whole on timeout and on an interrupt (a Ctrl-C reaches calexec only, not a
     session of its own: the unmutated run, calexec's whole suite by default, ran on after
-    exit 130). Raises :class:`_Stopped` in a worker's run after ``running`` stopped."""
+    exit 130), and once it exited: what it left running in the background (a server a test
+    started and never stopped, ``sh -c 'server & pytest'``) held its output open, and the run
+    waited for it: for ever in the unmutated run, and a mutant that passed was judged killed
+    by its timeout (until stop 71). Raises :class:`_Stopped` in a worker's run after
+    ``running`` stopped."""
     running.check()
     start = time.monotonic()
-    # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
-    # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
-    proc: subprocess.Popen[str] | None = None
+    proc: subprocess.Popen[bytes] | None = None
     try:
         with cliargs.interrupts_held():  # (a Ctrl-C inside Popen(): the command, started but
             # not yet returned to end, ran on after exit 130)
             proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, encoding="utf-8",
-                                    errors="replace", start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             running.add(proc)
-        output, _ = proc.communicate(timeout=timeout)
-        code: int | None = proc.returncode
-    except subprocess.TimeoutExpired:
-        if proc is None:  # (never: only communicate() times out)
-            raise
-        _kill(proc)
-        output, _ = proc.communicate()
-        code = None
+        chunks: list[bytes] = []
+        reader = threading.Thread(target=_read_all, args=(proc, chunks), daemon=True,
+                                  name="calexec-mutate-output")
+        reader.start()
+        try:
+            code: int | None = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        _kill(proc)  # (the group: what the command left running, its output's last holders)
+        proc.wait()
+        # (a process that left the group, setsid, may hold the output for ever: not waited for)
+        reader.join(_LEFT_OUTPUT_S)
     except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)
         if proc is not None:
             _kill(proc)
@@ -396,7 +401,32 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
         if proc is not None:
             running.discard(proc)
     running.check()  # (ended by the stop: no outcome line after "interrupted")
+    # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
+    # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
+    output = b"".join(list(chunks)).decode("utf-8", errors="replace")
     return code, time.monotonic() - start, output
+
+
+#: how long a run's output is read after its process group was killed (a process that left
+#: the group may hold it open: what it wrote by then is kept)
+_LEFT_OUTPUT_S = 5.0
+
+
+def _read_all(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> None:
+    """Append what ``proc``'s output pipe gives to ``chunks`` until it closes."""
+    stream = proc.stdout
+    if stream is None:  # (never: started with stdout=PIPE)
+        return
+    with stream:
+        fd = stream.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # (closed under it)
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
 
 
 def _kill(proc: subprocess.Popen) -> None:
