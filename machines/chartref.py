@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from statemachine import StateChart
+from statemachine import Event, State, StateChart
 
 from calexec.machines.chart_support import named_targets, no_states, reference, same_ids
 from calexec.machines.mutants import env_text
@@ -184,7 +184,8 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                                 f"{_near_chart(owner, '') or _no_chart(module)}")
         raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
-                            f"StateChart subclass){_near_chart(owner, '') or _no_chart(module)}")
+                            f"StateChart subclass)"
+                            f"{_not_chart_hint(owner, found, module, module_name, class_name)}")
     if not found.states:
         raise ChartRefError(ref, no_states(found, _reference))
     return found
@@ -434,6 +435,36 @@ def _directory_hint(root: str, directory: str, class_name: str) -> str:
     if all(part.isidentifier() for part in parts):
         return f"name the module, as imported from {root} (e.g. {'.'.join(parts)}:{class_name})"
     return f"run from the directory that holds the chart's module and name it (MODULE:{class_name})"
+
+
+def _not_chart_hint(owner: object, found: object, module: object, module_name: str,
+                    class_name: str) -> str:
+    """The end of the line refusing ``found``, no chart class: the chart it is part of, a
+    chart class of ``owner``, or that the module declares none."""
+    return (_part_of(owner, found, module_name, class_name) or _near_chart(owner, "")
+            or _no_chart(module))
+
+
+def _part_of(owner: object, found: object, module_name: str, class_name: str) -> str:
+    """``; it is a state of chart OrderFlow: the tools take a whole chart, shop:OrderFlow``
+    when ``found`` (named ``Chart.part`` or deeper) is a state or event of a chart class
+    (a compound state a newcomer means to draw alone), "" otherwise."""
+    if not isinstance(found, (State, Event)) or "." not in class_name:
+        return ""
+    parts = class_name.split(".")
+    chart: object = sys.modules.get(module_name)
+    chart_path: list[str] = []
+    for part in parts[:-1]:
+        chart = getattr(chart, part, None)
+        chart_path.append(part)
+        if _is_chart(chart):
+            break
+    else:
+        return ""
+    kind = "state" if isinstance(found, State) else "event"
+    name = ".".join(chart_path)
+    return (f"; it is {'a' if kind == 'state' else 'an'} {kind} of chart {name}: the tools "
+            f"take a whole chart, {module_name}:{name}")
 
 
 def _unbound_hint(module: object, owner: object, root: str, name: str) -> str:
