@@ -6,17 +6,20 @@ command and the API, and at what it gets wrong."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from statemachine import State, StateChart, StateMachine
+from statemachine import Event, State, StateChart, StateMachine
 
 from calexec.cli import main as cli
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import compiled
+from calexec.machines.diagrams import render_chart_dot, svg_from_dot
 from calexec.machines.paths import GuardTable, PathNotFollowed, drive, state_paths
 
 
@@ -230,3 +233,89 @@ def test_the_plugin_and_mutate_take_a_gate_written_with_a_percent_sign(
     assert cli(["charts", "mutate", "--chart", "lamp71:Lamp71", "--test-cmd", "true",
                 "--fail-under", "80%", "--cwd", "nowhere"]) == 2
     assert "--cwd='nowhere': not a directory" in capsys.readouterr().err
+
+
+class Folders(StateMachine):
+    load = State("C:\\logs\\load", initial=True)
+    done = State("R&D &lt;ok&gt;", final=True)
+    go = Event(load.to(done), name="go \\left")
+
+
+def test_a_backslash_l_or_an_entity_in_a_name_is_drawn_as_written():
+    """A state named ``C:\\logs\\load`` was drawn on three lines, ``C:`` / ``ogs`` / ``oad
+    (load)``: the DOT string kept every ``\\l`` of the text as graphviz's left-justified line
+    end, the user's own included; and ``R&D &lt;ok&gt;`` was drawn ``R&D <ok>`` (graphviz
+    reads an entity in a label). Both are now escaped: the text is drawn as written."""
+    dot = render_chart_dot(Folders)
+    assert 'label="C:\\\\logs\\\\load (load)"' in dot, dot
+    assert 'label="R&amp;D &amp;lt;ok&amp;gt; (done)"' in dot, dot
+    assert 'label="go \\\\left\\l"' in dot, dot  # (the label's own line end is kept)
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="the chart's drawing: graphviz")
+def test_graphviz_draws_a_backslash_l_and_an_entity_in_a_name_as_written():
+    svg = svg_from_dot(render_chart_dot(Folders))
+    assert ">C:\\logs\\load (load)<" in svg, svg
+    assert ">R&amp;D &amp;lt;ok&amp;gt; (done)<" in svg, svg
+
+
+_LEAVES_A_SERVER = '''
+import os, subprocess, sys
+# a test that starts a server and never stops it: it inherits the test's output
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids"), "a") as pids:
+    pids.write(f"{child.pid}\\n")
+import lamp71
+lamp = lamp71.Lamp71()
+lamp.send("switch")
+assert lamp.configuration_values == {"on"} or list(lamp.configuration_values) == ["on"]
+'''
+
+
+def test_mutate_does_not_wait_for_what_the_test_command_left_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``charts mutate --test-cmd 'python leaves_server.py'``, a test command that starts a
+    server (a child holding its output) and never stops it: the unmutated run waited for that
+    server to end, for ever (here 600 s); a mutant's run would have been judged killed by its
+    timeout though its tests passed. The run now ends when the command exits, and the group
+    it left is killed."""
+    _lamp_project(tmp_path, monkeypatch)
+    (tmp_path / "leaves_server.py").write_text(_LEAVES_A_SERVER)
+    report = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "calexec.cli", "charts", "mutate", "--chart", "lamp71:Lamp71",
+         "--test-cmd", f"{sys.executable} leaves_server.py", "--kind", "drop", "--report",
+         str(report), "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)  # (a hang: 600 s)
+    assert done.returncode in (0, 1), done.stderr
+    statuses = {m["id"]: m["status"] for m in json.loads(done.stdout)["mutants"]}
+    assert statuses == {"drop:off-switch->on": "killed", "drop:on-switch->off": "survived"}, \
+        statuses
+    pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 3, pids  # the unmutated run and each mutant's
+    assert not [pid for pid in pids if _alive(pid)], pids  # (killed with its group)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie its new parent has not reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_a_state_or_event_of_a_chart_given_for_the_chart_names_the_chart(
+        tmp_path: Path) -> None:
+    """``charts draw shop.workflow:OrderFlow.processing`` (a compound state a newcomer means
+    to draw alone) said "OrderFlow.processing is State State('Processing', ...), not a
+    python-statemachine chart class", no word of the chart it belongs to; it now ends with
+    the chart to give."""
+    root = _package(tmp_path)
+    for ref, kind in (("shop71.workflow:OrderFlow71.cart", "a state"),
+                      ("shop71.workflow:OrderFlow71.checkout", "an event")):
+        with pytest.raises(ChartRefError) as refused:
+            load_chart(ref, cwd=root)
+        assert str(refused.value).endswith(
+            f"; it is {kind} of chart OrderFlow71: the tools take a whole chart, "
+            f"shop71.workflow:OrderFlow71"), str(refused.value)
