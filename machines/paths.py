@@ -1468,12 +1468,14 @@ def _began_elsewhere(run: ChartRun | StatechartRun, path: Path | Walk,
         there = set(began.split(",")) == set(starts.split(","))
     if there:
         return None
+    cause = (f"the path starts under outcomes {dict(path.start)} set before the chart "
+             f"starts (its start step), which the run was not made with" if path.start else
+             "a run restored from its model's saved state (state=, start_value=), or one a "
+             "path was driven on before, is not where paths start")
     return _started_elsewhere(chart) or (
-        f"drive began on a run in {began!r}, not in {starts!r} where the path starts: a run "
-        f"restored from its model's saved state (state=, start_value=), or one a path was "
-        f"driven on before, is not where paths start; drive each path on a fresh run, "
-        f"compiled({chart.name}).run(GuardTable.for_chart({chart.name}, "
-        f"outcomes=path.start))")
+        f"drive began on a run in {began!r}, not in {starts!r} where the path starts: {cause}; "
+        f"drive each path on a fresh run, compiled({chart.name}).run(GuardTable.for_chart("
+        f"{chart.name}, outcomes=path.start))")
 
 
 def _started_elsewhere(chart: CompiledChart) -> str | None:

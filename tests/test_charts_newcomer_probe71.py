@@ -20,7 +20,13 @@ from calexec.cli import main as cli
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import compiled
 from calexec.machines.diagrams import render_chart_dot, svg_from_dot
-from calexec.machines.paths import GuardTable, PathNotFollowed, drive, state_paths
+from calexec.machines.paths import (
+    GuardTable,
+    PathNotFollowed,
+    drive,
+    state_paths,
+    transition_paths,
+)
 
 
 class Checkout(StateMachine):
@@ -319,3 +325,28 @@ def test_a_state_or_event_of_a_chart_given_for_the_chart_names_the_chart(
         assert str(refused.value).endswith(
             f"; it is {kind} of chart OrderFlow71: the tools take a whole chart, "
             f"shop71.workflow:OrderFlow71"), str(refused.value)
+
+
+class SelfTest(StateChart):
+    selftest = State(initial=True)
+    ready = State()
+    degraded = State()
+    off = State(final=True)
+    selftest.to(ready, cond="healthy")
+    selftest.to(degraded, unless="healthy")
+    shutdown = ready.to(off) | degraded.to(off)
+
+
+def test_a_path_with_a_start_driven_on_a_run_made_without_it_says_so():
+    """The path to ``degraded --shutdown--> off`` starts under ``{'healthy': False}`` (its
+    start step); driven on a run made without those outcomes (it starts in ``ready``), the
+    refusal must name that start, not a restored or replayed run."""
+    path = next(p for p in transition_paths(SelfTest) if p.start and p.steps)
+    message = _not_followed(compiled(SelfTest).run(GuardTable.for_chart(SelfTest)), path)
+    assert ("drive began on a run in 'ready', not in 'degraded' where the path starts: the "
+            "path starts under outcomes {'healthy': False} set before the chart starts (its "
+            "start step), which the run was not made with; drive each path on a fresh run, "
+            "compiled(SelfTest).run(GuardTable.for_chart(SelfTest, outcomes=path.start))"
+            ) in message, message
+    fresh = compiled(SelfTest).run(GuardTable.for_chart(SelfTest, outcomes=path.start))
+    assert drive(fresh, path) == "off"
