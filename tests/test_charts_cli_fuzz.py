@@ -292,7 +292,7 @@ def test_the_module_s_own_charts_are_taken_and_paths_json_is_json(project: Path)
 
 # ---- flag values the chart commands refuse ---------------------------------------------------
 _PERCENT = st.one_of(
-    st.sampled_from(["", " ", "x", "nan", "inf", "-inf", "100.0001", "-0.1", "1e3", "50%",
+    st.sampled_from(["", " ", "x", "nan", "inf", "-inf", "100.0001", "-0.1", "1e3", "%", "101%", "50%%",
                      "--", "é", "5\n6"]),
     st.floats(min_value=100, exclude_min=True).map(repr),
     st.floats(max_value=0, exclude_max=True).map(repr))
