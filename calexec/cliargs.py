@@ -40,6 +40,7 @@ import errno
 import functools
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -259,6 +260,19 @@ class Parser(argparse.ArgumentParser):
             return value
         return super()._get_values(action, arg_strings)
 
+    def _after_switch(self, words: list[str]) -> str:
+        """`` (--png is a switch and takes no value: 'd' after it is no value of it)`` when
+        the first unrecognized word of ``words`` follows a switch (a flag that takes no
+        value) on the command line; "" otherwise."""
+        if not words:
+            return ""
+        for before, word in zip(self._words, self._words[1:]):
+            action = self._option_string_actions.get(before)
+            if word == words[0] and action is not None and action.nargs == 0:
+                return (f" ({before} is a switch and takes no value: {word!r} after it is no "
+                        f"value of it)")
+        return ""
+
     def _dash_value_hint(self, message: str) -> str:
         """For argparse's "argument --api-key: expected one argument" when the word after the
         flag starts with '-' and is no flag of the command (an API key ``-k3y``, ``--note
@@ -279,6 +293,10 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if message.startswith("argument ") and message.endswith(": expected one argument"):
             message += self._dash_value_hint(message)
+        switch = re.fullmatch(r"argument (--[\w-]+): ignored explicit argument (.*)", message)
+        if switch:  # (--png=d: "ignored" read as if the run went on without it)
+            message += (f" (refused: {switch[1]} is a switch and takes no value: give "
+                        f"{switch[1]} alone)")
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
             words = message.split(":", 1)[1].split()
@@ -301,7 +319,10 @@ class Parser(argparse.ArgumentParser):
                     message += f" (did you mean {close[0]}?)"
                     break
             else:
-                if self.command_after and words and "--" not in self._words:
+                after_switch = self._after_switch(words)
+                if after_switch:  # (charts draw X --png d: d read as the switch's value)
+                    message += after_switch
+                elif self.command_after and words and "--" not in self._words:
                     # (`charts cover --chart M:C python -c ...`: "unrecognized arguments: -c
                     # ...", nothing said that a command's own flags go after `--`)
                     message += (f" (a command with flags of its own goes after `--`: "

@@ -350,3 +350,22 @@ def test_a_path_with_a_start_driven_on_a_run_made_without_it_says_so():
             ) in message, message
     fresh = compiled(SelfTest).run(GuardTable.for_chart(SelfTest, outcomes=path.start))
     assert drive(fresh, path) == "off"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--png=d"], "argument --png: ignored explicit argument 'd' (refused: --png is a switch "
+                  "and takes no value: give --png alone)"),
+    (["--png", "d"], "unrecognized arguments: d (--png is a switch and takes no value: 'd' "
+                     "after it is no value of it)"),
+])
+def test_a_value_given_to_a_switch_says_the_switch_takes_none(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        argv: list[str], says: str) -> None:
+    """``charts draw lamp:Lamp --png d`` (as ``calexec diagrams --png DIR`` takes a directory)
+    said "unrecognized arguments: d", and ``--png=d`` argparse's "ignored explicit argument
+    'd'", which reads as if the run went on without it; each now says ``--png`` takes no
+    value."""
+    _lamp_project(tmp_path, monkeypatch)
+    assert cli(["charts", "draw", "lamp71:Lamp71", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
