@@ -122,6 +122,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                                 f"name): name the module that declares the chart, as "
                                 f"imported from there, without a path and .py (e.g. "
                                 f"{stem}:{class_name} for {stem}.py)")
+        full = os.path.normpath(os.path.join(root, module_name))
+        if os.path.dirname(full) == root:  # (my-charts.py:Door, run where it is: was told
+            # to run from the directory that holds it)
+            raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
+                                f"name the module, without .py: {stem}:{class_name} (imported "
+                                f"from {root}, where the file is)")
         raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: run "
                             f"from the directory that holds it and name the module "
                             f"(e.g. {stem}:{class_name})")

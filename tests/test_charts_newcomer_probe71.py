@@ -369,3 +369,17 @@ def test_a_value_given_to_a_switch_says_the_switch_takes_none(
     assert cli(["charts", "draw", "lamp71:Lamp71", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_chart_file_of_this_directory_whose_name_is_no_identifier_says_to_drop_py(
+        tmp_path: Path) -> None:
+    """``charts paths my-charts.py:Lamp``, run where ``my-charts.py`` is, said "run from the
+    directory that holds it and name the module (e.g. my-charts:Lamp)": the command ran
+    there already. It now says to name the module without ``.py``, as ``lamp.py:Lamp`` is
+    told."""
+    (tmp_path / "my-lamp71.py").write_text(_LAMP)
+    with pytest.raises(ChartRefError) as refused:
+        load_chart("my-lamp71.py:Lamp71", cwd=str(tmp_path))
+    assert str(refused.value) == (
+        f"'my-lamp71.py:Lamp71': 'my-lamp71.py' is a file path, not a module name: name the "
+        f"module, without .py: my-lamp71:Lamp71 (imported from {tmp_path}, where the file is)")
