@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -383,3 +384,34 @@ def test_a_chart_file_of_this_directory_whose_name_is_no_identifier_says_to_drop
     assert str(refused.value) == (
         f"'my-lamp71.py:Lamp71': 'my-lamp71.py' is a file path, not a module name: name the "
         f"module, without .py: my-lamp71:Lamp71 (imported from {tmp_path}, where the file is)")
+
+
+_LEAVES_A_PYTHON_CHILD = '''
+import os, subprocess, sys
+# a test that starts a helper (a Python server importing the chart) and never stops it
+child = subprocess.Popen([sys.executable, "-c", "import lamp71, time; time.sleep(600)"])
+with open("pids", "a") as pids:
+    pids.write(f"{child.pid}\\n")
+import lamp71
+lamp71.Lamp71().send("switch")
+'''
+
+
+def test_cover_ends_what_the_test_command_left_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``charts cover --chart lamp:Lamp -- python leaves_child.py``, a test command leaving a
+    Python helper running: the helper ran on after calexec exited, and at its own exit wrote
+    its transitions into the run's directory, removed by then: a ``FileNotFoundError``
+    traceback on the terminal, long after the command. It now ends with the command."""
+    _lamp_project(tmp_path, monkeypatch)
+    (tmp_path / "leaves_child.py").write_text(_LEAVES_A_PYTHON_CHILD)
+    try:
+        assert cli(["charts", "cover", "--chart", "lamp71:Lamp71", "--", sys.executable,
+                    "leaves_child.py"]) == 0
+        assert "transition coverage Lamp71: 1/2" in capsys.readouterr().out
+        pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+        assert pids and not [pid for pid in pids if _alive(pid)], pids
+    finally:
+        for pid in [int(line) for line in (tmp_path / "pids").read_text().split()]:
+            if _alive(pid):  # (the old code's leak: not left to this run)
+                os.kill(pid, signal.SIGKILL)

@@ -79,8 +79,12 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     def write() -> None:
         path = Path(out, f"hits-{os.getpid()}.json")
         twins = {ref: other_imports(chart) for ref, chart in tracked.items()}
-        path.write_text(json.dumps({"loaded": loaded, "errors": errors, "twins": twins,
-                                    "hits": sorted(recorder.hits)}), encoding="utf-8")
+        try:
+            path.write_text(json.dumps({"loaded": loaded, "errors": errors, "twins": twins,
+                                        "hits": sorted(recorder.hits)}), encoding="utf-8")
+        except FileNotFoundError:  # (a process that left the command's group and outlived
+            # the run: its directory is gone, the coverage judged; no traceback at its exit)
+            pass
 
     atexit.register(write)
 
