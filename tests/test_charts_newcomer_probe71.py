@@ -109,8 +109,10 @@ class OrderFlow71(StateChart):
 '''
 
 
-def _package(tmp_path: Path) -> str:
-    package = tmp_path / "shop71"
+def _package(tmp_path: Path, name: str) -> str:
+    """A package ``name`` (one per test: a module imported once stays in ``sys.modules``)
+    holding ``workflow.py``, whose chart imports a sibling module relatively."""
+    package = tmp_path / name
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "rules.py").write_text("class Rules:\n    pass\n")
@@ -124,14 +126,14 @@ def test_a_package_directory_given_for_the_module_names_the_module_declaring_the
     "'shop/' is a file path, not a module name: run from the directory that holds it and name
     the module (e.g. shop/:OrderFlow)": the very text refused, from the directory that holds
     it. It now says it is a directory and names the module that declares the class."""
-    root = _package(tmp_path)
+    root = _package(tmp_path, "shop71a")
     with pytest.raises(ChartRefError) as refused:
-        load_chart("shop71/:OrderFlow71", cwd=root)
+        load_chart("shop71a/:OrderFlow71", cwd=root)
     message = str(refused.value)
-    assert "e.g. shop71/:OrderFlow71" not in message, message
+    assert "e.g. shop71a/:OrderFlow71" not in message, message
     assert message == (
-        "'shop71/:OrderFlow71': 'shop71/' is a directory, not a module name: OrderFlow71 is "
-        "declared in shop71/workflow.py: name shop71.workflow:OrderFlow71"), message
+        "'shop71a/:OrderFlow71': 'shop71a/' is a directory, not a module name: OrderFlow71 is "
+        "declared in shop71a/workflow.py: name shop71a.workflow:OrderFlow71"), message
 
 
 def test_a_package_named_for_the_module_of_its_submodules_chart_names_the_submodule(
@@ -140,13 +142,13 @@ def test_a_package_named_for_the_module_of_its_submodules_chart_names_the_submod
     declares the chart (the package's ``__init__`` imports nothing): "module 'shop' has no
     attribute 'OrderFlow' ...; module 'shop' declares no chart class", no word of where the
     class is. It now ends with the module that declares it."""
-    root = _package(tmp_path)
+    root = _package(tmp_path, "shop71b")
     with pytest.raises(ChartRefError) as refused:
-        load_chart("shop71:OrderFlow71", cwd=root)
+        load_chart("shop71b:OrderFlow71", cwd=root)
     message = str(refused.value)
-    assert message.endswith("; OrderFlow71 is declared in shop71/workflow.py: name "
-                            "shop71.workflow:OrderFlow71"), message
-    assert load_chart("shop71.workflow:OrderFlow71", cwd=root).__name__ == "OrderFlow71"
+    assert message.endswith("; OrderFlow71 is declared in shop71b/workflow.py: name "
+                            "shop71b.workflow:OrderFlow71"), message
+    assert load_chart("shop71b.workflow:OrderFlow71", cwd=root).__name__ == "OrderFlow71"
 
 
 _LAMP = '''
@@ -318,14 +320,14 @@ def test_a_state_or_event_of_a_chart_given_for_the_chart_names_the_chart(
     to draw alone) said "OrderFlow.processing is State State('Processing', ...), not a
     python-statemachine chart class", no word of the chart it belongs to; it now ends with
     the chart to give."""
-    root = _package(tmp_path)
-    for ref, kind in (("shop71.workflow:OrderFlow71.cart", "a state"),
-                      ("shop71.workflow:OrderFlow71.checkout", "an event")):
+    root = _package(tmp_path, "shop71c")
+    for ref, kind in (("shop71c.workflow:OrderFlow71.cart", "a state"),
+                      ("shop71c.workflow:OrderFlow71.checkout", "an event")):
         with pytest.raises(ChartRefError) as refused:
             load_chart(ref, cwd=root)
         assert str(refused.value).endswith(
             f"; it is {kind} of chart OrderFlow71: the tools take a whole chart, "
-            f"shop71.workflow:OrderFlow71"), str(refused.value)
+            f"shop71c.workflow:OrderFlow71"), str(refused.value)
 
 
 class SelfTest(StateChart):
