@@ -443,3 +443,21 @@ def test_a_write_cut_short_leaves_every_old_diagram_as_it_was(tmp_path, capsys, 
     assert sorted(p.name for p in out.iterdir()) == sorted(names)  # (no scratch left)
     for name in names:
         assert (out / name).read_text(encoding="utf-8") == f"old {name}\n", name
+
+
+def test_check_where_there_is_no_diagrams_directory_says_what_it_checks(tmp_path, capsys):
+    """Found at stop 71 (the newcomer probe, left; fixed by the lead): ``calexec diagrams
+    --check`` run from a newcomer's own project (no ``diagrams/`` there) listed calexec's
+    eight chart files as missing and named a fix writing them into that project, nothing
+    said that it checks calexec's own charts. It still exits 1 and names the fix (right in
+    calexec's checkout), and now says what it checks and what draws a chart of one's own."""
+    from calexec.drivers.tools.render_diagrams import main
+
+    assert main(["diagrams", "--check", "--out", str(tmp_path / "diagrams")]) == 1
+    err = capsys.readouterr().err
+    assert "note: there is no" in err and "calexec's own charts (job, " in err, err
+    assert "calexec charts draw MODULE:CLASS --out DIR --check" in err, err
+    # a directory that is there but stale: no such note
+    (tmp_path / "diagrams").mkdir()
+    assert main(["diagrams", "--check", "--out", str(tmp_path / "diagrams")]) == 1
+    assert "note:" not in capsys.readouterr().err

@@ -135,6 +135,12 @@ def main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"stale: {problem}", file=sys.stderr)
             if problems:
+                if not args.out.exists():  # (run from another project than calexec's)
+                    print(f"note: there is no directory {shell_word(args.out)} here: calexec diagrams "
+                          f"checks the diagrams of calexec's own charts ({', '.join(CHARTS)}), "
+                          "committed in calexec's checkout; for a chart of your own: "
+                          "calexec charts draw MODULE:CLASS --out DIR --check",
+                          file=sys.stderr)
                 print(f"fix: {FIX_COMMAND} --out {shell_word(args.out)}"
                       + (f" --png {shell_word(args.png)}" if args.png else ""), file=sys.stderr)
                 return 1
