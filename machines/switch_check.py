@@ -117,23 +117,23 @@ def _size_zero(path: str, shown: str) -> Status:
 _PROBE = 64
 
 
-def _unreadable(path: str) -> str | None:
-    """Why the file's first bytes cannot be read (``os.access`` is not the whole answer: a
-    read can still fail), else None."""
+def _unreadable(fd: int) -> str | None:
+    """Why the first bytes of the file open as ``fd`` cannot be read (``os.access`` is not
+    the whole answer: a read can still fail), else None."""
     try:
-        with open(path, "rb") as f:
-            f.read(_PROBE)
+        os.pread(fd, _PROBE, 0)
     except OSError as err:
         return err.strerror or str(err)
     return None
 
 
-def _sha256(path: str) -> str | OSError:
+def _sha256(fd: int) -> str | OSError:
     digest = hashlib.sha256()
+    offset = 0
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                digest.update(chunk)
+        while chunk := os.pread(fd, _CHUNK, offset):
+            digest.update(chunk)
+            offset += len(chunk)
     except OSError as err:
         return err
     return digest.hexdigest()
@@ -156,7 +156,42 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
     if not isinstance(path, str):  # (_file_refusal refused it; said again for the types)
         return refused("path_required", named(path), "a calbin file path is required")
     shown = named(path)
-    unreadable = _unreadable(path)
+    try:  # (stat said a regular file: no wait; O_NONBLOCK if it was replaced by a FIFO since)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, ValueError) as err:
+        return refused("unreadable", shown, f"cannot read the file ({_why(err)})")
+    try:
+        return _open_file_refusal(runtime, manifest, fd, path, max_bytes,
+                                  hash_pin) or Status.OK
+    finally:
+        os.close(fd)
+
+
+def _why(err: Exception) -> str:
+    return (err.strerror if isinstance(err, OSError) else None) or str(err)
+
+
+def _open_file_refusal(runtime: object, manifest: Manifest, fd: int, path: str,
+                       max_bytes: int | None, hash_pin: bool) -> Status | None:
+    """The rest of :func:`check_calbin`, on the file the path names, open as ``fd``: what is
+    read (the first bytes, the runtime's loader, the sha256) is the file the checks are of.
+    Each read opened the path anew until stop 71: a file replaced between the ``stat`` and
+    an open by a FIFO (a ``POST /admin/reload`` path an operator's script rewrites) held the
+    check in that open, the reload never answered; it is now ``calbin.not_a_file``."""
+    shown = named(path)
+    try:
+        info = os.fstat(fd)
+    except OSError as err:
+        return refused("unreadable", shown, f"cannot stat the file ({_why(err)})")
+    if not stat.S_ISREG(info.st_mode):
+        return refused("not_a_file", shown, f"not a regular file (mode "
+                       f"{stat.filemode(info.st_mode)}): the path was replaced while it "
+                       "was checked")
+    if info.st_size == 0:
+        return refused("empty", shown, "the file is empty")
+    if max_bytes is not None and info.st_size > max_bytes:
+        return refused("too_large", shown, f"{info.st_size} bytes > max_calbin_bytes={max_bytes}")
+    unreadable = _unreadable(fd)
     if unreadable is not None:
         return refused("unreadable", shown, f"cannot read the file ({unreadable})")
     inspect: Callable[[str], tuple[RuntimeModelInfo, ...] | str | None] | None = getattr(
@@ -170,8 +205,8 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
         if refusal is not None:
             return refused("manifest_mismatch", shown,
                            f"{refusal.code}: {refusal.message or refusal.code}")
-        return Status.OK
-    sha = _sha256(path)  # the pin is on the whole content: read whole, last
+        return None
+    sha = _sha256(fd)  # the pin is on the whole content: read whole, last
     if isinstance(sha, OSError):
         return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
     if models is None:  # the runtime cannot read it on the host: the sha256 pin alone
@@ -179,12 +214,12 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
             return refused("manifest_mismatch", shown,
                            f"manifest.sha256_mismatch: calbin_sha256={sha} but "
                            f"{manifest.source} pins {pinned}")
-        return Status.OK
+        return None
     resolved = manifest.resolve(models, generation_id=0, calbin_sha256=sha)
     if isinstance(resolved, Status):
         return refused("manifest_mismatch", shown,
                        f"{resolved.code}: {resolved.message or resolved.code}")
-    return Status.OK
+    return None
 
 
 def start_refusal(status: Status, path: str) -> Status | None:

@@ -23,6 +23,7 @@ import enum
 import hashlib
 import logging
 import os
+import stat
 from typing import Any
 
 import numpy as np
@@ -249,9 +250,36 @@ class Device:
         never held whole in memory (it was, ``f.read()``, beside the runtime's own copy); if
         Python cannot read the file, 11 (FILE_READ) is returned and nothing stays loaded.
         ``sha256`` False (``CalRT.inspect_calbin``, which lists the models and unloads): the
-        file is not hashed, and the Calbin's ``sha256`` is ""."""
+        file is not hashed, and the Calbin's ``sha256`` is "".
+
+        A regular file is opened once without waiting (``O_NONBLOCK``) and held open while the
+        runtime loads it and Python hashes it, both through ``/proc/self/fd/N`` (a new open
+        of that same file, where there is a ``/proc``): the file the caller looked at
+        (``stat``: a regular file, ``open_generation``; the reload's check) is the one loaded
+        and hashed. Both opened the path anew until stop 71: a FIFO put at the path in
+        between (a script rewriting the file a ``POST /admin/reload`` names) held the
+        switch in the loader's open for ever, the lifecycle Configuring and nothing served.
+        What the open finds that is no regular file (nor a directory, which the loader
+        refuses at once) is answered 11 (FILE_READ) without calling the loader."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except (OSError, ValueError):  # (missing, unreadable: the runtime says which)
+            return self._load(path, path, sha256)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                log.error("calbin %r not loaded: not a regular file (mode %s), whose read may "
+                          "never end", path, stat.filemode(mode))
+                return Rc.ERR_FILE_READ, None
+            reopened = f"/proc/self/fd/{fd}"
+            return self._load(path, reopened if os.path.exists(reopened) else path, sha256)
+        finally:
+            os.close(fd)
+
+    def _load(self, path: str, opened: str, sha256: bool) -> tuple[int, Calbin | None]:
+        """``load_calbin`` of ``path``, the runtime and the hash reading ``opened``."""
         out = self._ffi.new("calrt_calbin **")
-        rc = self._lib.calrt_calbin_load(self._h, os.fsencode(path), out)
+        rc = self._lib.calrt_calbin_load(self._h, os.fsencode(opened), out)
         if rc != 0:
             why = self.emu.calbin_error() if self.emu is not None else ""
             if why:  # 0.7.6 answers 19 alone: the emulator says which dtype it refused
@@ -260,7 +288,7 @@ class Device:
         sha: str | None = ""
         try:
             if sha256:
-                with open(path, "rb") as f:
+                with open(opened, "rb") as f:
                     sha = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError:
             sha = None

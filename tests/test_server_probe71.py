@@ -1,0 +1,134 @@
+"""Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` at stop 71
+(branch probe-http): a reload's calbin path replaced by a FIFO while it is checked or
+loaded, ... Real executor on the bundled emulator; loopback only; every wait bounded."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers.calrt.runtime import CalRT, Device
+from calexec.drivers.synthetic import calbin
+from calexec.machines import switch_check
+from test_server_support import started_executor
+
+
+def _bounded(call, fifo: str) -> list:
+    """``call()`` in a thread, waited for at most 30 s: what it returned (empty: still
+    running, then unblocked by opening ``fifo``'s writing end, so no thread is left behind)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(30.0)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the open that waits returns
+        thread.join(30.0)
+        return []
+    return out
+
+
+def _to_fifo(path: str) -> None:
+    """Put a FIFO no one writes to where the file ``path`` was (an operator's script
+    rewriting the file the reload names; ``mv`` of a named pipe over it)."""
+    os.unlink(path)
+    os.mkfifo(path)
+
+
+def test_a_reload_path_replaced_by_a_fifo_while_checked_is_refused_not_held(tmp_path,
+                                                                            monkeypatch):
+    """``POST /admin/reload``'s check (``DeviceExecutor.check_calbin``) ``stat`` ed the path
+    (a regular file), then opened it again by path to read its first bytes, for the
+    runtime's loader and for the sha256: a path replaced by a FIFO between the ``stat`` and
+    an open held the check in that open for ever (the reload never answered, a worker thread
+    held). The file is now opened once without waiting and every read is of what is open:
+    ``calbin.not_a_file`` naming the mode and that the path was replaced."""
+    path = str(tmp_path / "next.calbin")
+    calbin.write(path, calbin.default_spec())
+    real_stat = os.stat
+    swapped: list[str] = []
+
+    def stat_then_swap(p, *args, **kwargs):
+        result = real_stat(p, *args, **kwargs)
+        if os.fspath(p) == path and not swapped:  # the check's stat saw the regular file
+            swapped.append(path)
+            _to_fifo(path)
+        return result
+
+    monkeypatch.setattr(os, "stat", stat_then_swap)
+    answered = _bounded(lambda: switch_check.check_calbin(
+        CalRT.load(), load_manifest(default_manifest_path()), path), path)
+    monkeypatch.undo()
+    assert swapped, "the check never stat'ed the path"
+    assert answered, "the check waited in an open of the FIFO (unblocked by the test)"
+    status = answered[0]
+    assert status.code == "calbin.not_a_file", status
+    assert "not a regular file (mode prw" in status.message, status
+    assert "replaced while it was checked" in status.message, status
+
+
+def test_a_calbin_replaced_by_a_fifo_before_the_load_rolls_the_switch_back(tmp_path,
+                                                                          monkeypatch):
+    """A switch (``DeviceExecutor.switch_model``: a reload after its check) looked at the
+    path (``stat``: a regular file) and then gave it to the runtime's loader, which opened
+    it again: a FIFO put there between the two held the switch in the loader's open for
+    ever, the lifecycle Configuring, the previous generation torn down, nothing served. The
+    driver now opens the path without waiting and looks at what it opened: a FIFO is not
+    given to the loader (FILE_READ), the switch rolls back and the previous calbin serves."""
+    executor = started_executor(tmp_path)
+    path = str(tmp_path / "next.calbin")
+    calbin.write(path, calbin.default_spec())
+    real_load = Device.load_calbin
+    swapped: list[str] = []
+
+    def swap_then_load(self, p, *args, **kwargs):
+        if p == path and not swapped:  # the switch looked at the file; now it loads
+            swapped.append(p)
+            _to_fifo(path)
+        return real_load(self, p, *args, **kwargs)
+
+    try:
+        monkeypatch.setattr(Device, "load_calbin", swap_then_load)
+        answered = _bounded(lambda: executor.switch_model(path), path)
+        monkeypatch.undo()
+        assert swapped, "the switch never loaded the path"
+        assert answered, "the switch waited in the loader's open of the FIFO"
+        assert answered[0].code == "recovery.rolled_back", answered[0]
+        assert "FILE_READ" in answered[0].message, answered[0]
+        assert executor.state == "Ready" and executor.gen is not None
+        assert executor.gen.calbin_path == executor.config.calbin_path
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_calbin_replaced_after_the_drivers_look_is_loaded_as_looked_at(tmp_path,
+                                                                         monkeypatch):
+    """The driver's look (``fstat`` of what it opened) and the loader's open are two steps
+    too: the loader and the hash are given ``/proc/self/fd/N``, a new open of the file the
+    driver holds, so a FIFO put at the path after the look is not what they open; the switch
+    serves the calbin that was looked at (and names it by its path)."""
+    executor = started_executor(tmp_path)
+    path = str(tmp_path / "next.calbin")
+    calbin.write(path, calbin.default_spec())
+    inode = os.stat(path).st_ino
+    real_fstat = os.fstat
+    swapped: list[int] = []
+
+    def fstat_then_swap(fd, *args, **kwargs):
+        result = real_fstat(fd, *args, **kwargs)
+        if result.st_ino == inode and not swapped:  # the driver looked at the calbin
+            swapped.append(fd)
+            _to_fifo(path)
+        return result
+
+    try:
+        monkeypatch.setattr(os, "fstat", fstat_then_swap)
+        answered = _bounded(lambda: executor.switch_model(path), path)
+        monkeypatch.undo()
+        assert swapped, "nothing looked at the opened calbin before loading it"
+        assert answered, "the switch waited in the loader's open of the FIFO"
+        assert answered[0].ok, answered[0]
+        assert executor.state == "Ready" and executor.gen is not None
+        assert executor.gen.calbin_path == path
+    finally:
+        executor.shutdown(5.0)
