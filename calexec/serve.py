@@ -74,7 +74,9 @@ from calexec.drivers.serving.service import (
     MAX_CHOICES,
     api_key_problem,
     cors_origin_problem,
+    model_name_problem,
     sequence_ids_problem,
+    shown_name,
 )
 from calexec.drivers.serving.wire import cut_ids
 from calexec.machines import switch_check
@@ -327,11 +329,10 @@ def main(argv: list[str]) -> int:
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
-        if not args.served_model_name.strip():  # every response would say "model": ""
-            raise ValueError(f"--served-model-name={args.served_model_name!r}: must not be empty")
-        if not args.served_model_name.isprintable():  # (responses would carry a newline)
-            raise ValueError(f"--served-model-name={args.served_model_name!r}: must be printable "
-                             "(no control characters, no separator other than a space)")
+        problem = model_name_problem(args.served_model_name)
+        if problem is not None:  # (every response would say "model": "", carry a newline)
+            raise ValueError(f"--served-model-name={shown_name(args.served_model_name)}: "
+                             f"{problem}")
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
             raise ValueError(f"{key_source} {problem}" + (

@@ -5,10 +5,15 @@ loaded, ... Real executor on the bundled emulator; loopback only; every wait bou
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+
+import pytest
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers.calrt.runtime import CalRT, Device
+from calexec.drivers.serving.service import ServerConfig
 from calexec.drivers.synthetic import calbin
 from calexec.machines import switch_check
 from test_server_support import started_executor
@@ -132,3 +137,30 @@ def test_a_calbin_replaced_after_the_drivers_look_is_loaded_as_looked_at(tmp_pat
         assert executor.gen.calbin_path == path
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("name, said", [
+    (" qwen3", "begins or ends with a space: clients send 'qwen3'"),
+    ("qwen3 ", "begins or ends with a space: clients send 'qwen3'"),
+    ("m" * 4097, "4097 characters, at most 4096"),
+])
+def test_a_served_model_name_no_client_sends_back_is_refused(name, said):
+    """``calexec serve --served-model-name ' qwen3'`` (a quoting slip in a unit file) served,
+    exit 0, its ``/v1/models`` listing ``" qwen3"``: every client sending ``"qwen3"`` got 404
+    ``model_not_found``; a name of a file's whole text (``"$(cat notes)"``) went into every
+    response body and every metric series. Both are refused before the executor starts,
+    exit 2, naming the flag (``ServerConfig(model_name=...)`` alike); a name of non-ASCII
+    letters, or one with inner spaces, is still taken."""
+    done = subprocess.run([sys.executable, "-m", "calexec.cli", "serve", "--once",
+                           "--served-model-name", name], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert lines[-1].startswith("calexec serve: --served-model-name="), lines[-1]
+    assert said in lines[-1], lines[-1]
+    assert len(lines[-1]) < 500, lines[-1]  # the name is cut, the error stays one short line
+    with pytest.raises(ValueError, match="^model_name=") as err:
+        ServerConfig(model_name=name)
+    assert said in str(err.value), err.value
+    for taken in ("モデル", "my model", "org/qwen3-8b"):
+        assert ServerConfig(model_name=taken).model_name == taken

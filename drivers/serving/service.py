@@ -186,14 +186,44 @@ def _seconds(positive: bool = True) -> Callable[[Any, Any, Any], None]:
     return fields.number(0, above=positive)
 
 
+#: the longest served model name (``--served-model-name``, ``ServerConfig.model_name``): it
+#: is in every response body and every metric series' ``model_name`` label; a path as long
+#: as Linux's PATH_MAX is taken (vLLM names a model by its path)
+MAX_MODEL_NAME = 4096
+
+
+def model_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be the served model name, else None: empty or spaces alone (every
+    response would say ``"model": ""``), a control character or a separator other than a
+    space (no client could send it back), a space at either end (a quoting slip, ``'
+    qwen3'``: every client sending ``"qwen3"`` was answered 404 ``model_not_found`` until
+    stop 71), longer than :data:`MAX_MODEL_NAME` (a file's text given as the name)."""
+    if not name.strip():
+        return "must not be empty"
+    if not name.isprintable():  # (a newline or a tab: no client could send it back)
+        return "must be printable (no control characters, no separator other than a space)"
+    if name != name.strip():
+        return (f"begins or ends with a space: clients send {name.strip()!r} and would be "
+                "answered 404 model_not_found; give the name without them")
+    if len(name) > MAX_MODEL_NAME:
+        return (f"{len(name)} characters, at most {MAX_MODEL_NAME} (every response and "
+                "metric series names it)")
+    return None
+
+
 def _model_name(instance: Any, attribute: Any, value: Any) -> None:
-    """A non-empty str: every response and ``/v1/models`` names it (``--served-model-name``
-    is refused the same way)."""
+    """A str :func:`model_name_problem` takes: every response and ``/v1/models`` names it
+    (``--served-model-name`` is refused the same way)."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"model_name={value!r}: must be a non-empty str")
-    if not value.isprintable():  # (a newline or a tab: no client could send it back)
-        raise ValueError(f"model_name={value!r}: must be printable (no control characters, "
-                         "no separator other than a space)")
+    problem = model_name_problem(value)
+    if problem is not None:
+        raise ValueError(f"model_name={shown_name(value)}: {problem}")
+
+
+def shown_name(name: str) -> str:
+    """``name`` as a refusal shows it: repr, cut to its first 200 characters."""
+    return repr(name[:200]) + ("..." if len(name) > 200 else "")
 
 
 #: the largest ``ServerConfig.max_choices`` (``serve --max-choices``): the choices of one
