@@ -164,3 +164,28 @@ def test_a_served_model_name_no_client_sends_back_is_refused(name, said):
     assert said in str(err.value), err.value
     for taken in ("モデル", "my model", "org/qwen3-8b"):
         assert ServerConfig(model_name=taken).model_name == taken
+
+
+@pytest.mark.parametrize("body", [{"best_of": 2}, {"best_of": 4, "n": 2}])
+def test_a_best_of_above_one_is_told_what_to_send(tmp_path, body):
+    """``best_of: 2`` was refused ``best_of=2: best_of > 1 is not supported``: the field and
+    the value, no word of what the server takes, where ``best_of: 0`` (stop 65) and every
+    other refused parameter with a neutral value say it. It now says to send 1 or leave it
+    out, and that ``n`` gives several choices."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1,
+                                                     **body})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "best_of", error
+    assert error["message"].startswith(f"best_of={body['best_of']}: best_of > 1 is not "
+                                       "supported"), error
+    assert "send 1 or leave it out; n gives n choices" in error["message"], error

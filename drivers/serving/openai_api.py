@@ -264,7 +264,8 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 
 #: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "best_of": (_none_or(1), "best_of > 1 is not supported"),
+    "best_of": (_none_or(1), "best_of > 1 is not supported (no choice is sampled more than "
+                "once to return the best): send 1 or leave it out; n gives n choices"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
     "functions": (lambda v: v is None or v == [], "the deprecated functions are not "
                   "supported: send tools (same schemas) instead"),
