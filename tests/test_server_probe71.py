@@ -189,3 +189,35 @@ def test_a_best_of_above_one_is_told_what_to_send(tmp_path, body):
     assert error["message"].startswith(f"best_of={body['best_of']}: best_of > 1 is not "
                                        "supported"), error
     assert "send 1 or leave it out; n gives n choices" in error["message"], error
+
+
+@pytest.mark.parametrize("route, takes", [
+    ("/admin/reload", '/admin/reload takes {"calbin": PATH}, the path of a calbin file'),
+    ("/admin/drain", "/admin/drain takes no body: the grace is the query parameter"),
+])
+def test_an_admin_body_over_the_limit_is_told_what_the_route_takes(tmp_path, route, takes):
+    """An operator sending a calbin's bytes to ``POST /admin/reload`` (``curl --data-binary
+    @model.calbin``, the path meant) got the API's 413: ``send a smaller body (fewer or
+    shorter prompts), or start the server with a larger --max-body-bytes``: no prompt is
+    sent there and a larger limit only made a second wrong answer. It now says what the
+    route takes; an API route's 413 keeps its words."""
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    big = b"x" * 4096
+    try:
+        app = create_app(executor, ServerConfig(admin_token="tok", max_body_bytes=1024))
+        from fastapi.testclient import TestClient
+        with TestClient(app, raise_server_exceptions=False) as client:
+            r = client.post(route, content=big, headers={
+                "Authorization": "Bearer tok", "Content-Type": "application/json"})
+            api = client.post("/v1/completions", content=big,
+                              headers={"Content-Type": "application/json"})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 413, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert message.startswith("request body exceeds max_body_bytes=1024: "), message
+    assert takes in message and "prompts" not in message, message
+    assert "--max-body-bytes" not in message, message
+    assert api.status_code == 413 and "fewer or shorter prompts" in api.text, api.text[:300]

@@ -82,6 +82,13 @@ def query_refusal(request: Request, allowed: tuple[str, ...], usage: str
 
 #: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
 RELOAD_KEYS = ("calbin",)
+#: what the 413 of a ``/admin/reload`` body over ``max_body_bytes`` says (a calbin's bytes
+#: sent as the body, ``curl --data-binary @model.calbin``, were told to send fewer or shorter
+#: prompts or to raise ``--max-body-bytes`` until stop 71)
+RELOAD_TAKES = ("/admin/reload takes {\"calbin\": PATH}, the path of a calbin file the server "
+                "reads, not the file's bytes (curl --data-binary @model.calbin sends them)")
+#: what the 413 of a ``/admin/drain`` body says
+DRAIN_TAKES = "/admin/drain takes no body: the grace is the query parameter ?grace=S"
 #: the query parameters of ``/admin/drain``
 DRAIN_PARAMS = ("grace",)
 #: a drain's ``grace``: an ASCII decimal number (``float()`` alone also reads "٣" as 3,
@@ -191,12 +198,14 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
     #: read the lifecycle of the second, ``"lifecycle": "Recovering"``)
     switching: list[str] = []
 
-    async def read_body(request: Request) -> bytes | JSONResponse:
+    async def read_body(request: Request, takes: str) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
-        slowly (408) or is too large (413): ``wire.body_or_refusal``, as the API's."""
+        slowly (408) or is too large (413, saying what the route ``takes``: not the API's
+        "fewer or shorter prompts, or a larger --max-body-bytes"): ``wire.body_or_refusal``,
+        as the API's."""
         service = owner.service
         raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
-                                         service.bodies)
+                                         service.bodies, takes)
         if isinstance(raw, wire.BodyRefusal):
             return error_response(raw.status, None, http_status=raw.http_status,
                                   headers=raw.headers)
@@ -211,7 +220,7 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         unknown = query_refusal(request, DRAIN_PARAMS, "POST /admin/drain?grace=S")
         if unknown is not None:
             return unknown
-        raw = await read_body(request)
+        raw = await read_body(request, DRAIN_TAKES)
         if not isinstance(raw, bytes):
             return raw
         if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
@@ -272,7 +281,7 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                                 "{\"calbin\": PATH} and no query")
         if unknown is not None:
             return unknown
-        raw = await read_body(request)
+        raw = await read_body(request, RELOAD_TAKES)
         if not isinstance(raw, bytes):
             return raw
         body = reload_body(raw)

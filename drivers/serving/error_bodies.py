@@ -351,11 +351,14 @@ def body_timeout(came: str, timeout_s: float) -> Status:
                           f"{timeout_s:g} s: {came}")
 
 
-def body_too_large(limit: int) -> Status:
+def body_too_large(limit: int, takes: str | None = None) -> Status:
     """The failure of a request whose body is over ``limit`` bytes
     (``ServerConfig.max_body_bytes``; answered 413, the connection closed), saying what to do:
     the limit is the server's setting, which a client (lm-eval's batches of long windows) could
-    not tell from the name alone."""
+    not tell from the name alone. ``takes``: what a route whose body is small by its nature
+    takes instead (an admin route: a larger limit would not help it, nor fewer prompts)."""
+    if takes is not None:
+        return invalid(f"request body exceeds max_body_bytes={limit}: {takes}")
     return invalid(f"request body exceeds max_body_bytes={limit}: send a smaller body (fewer "
                    "or shorter prompts), or start the server with a larger --max-body-bytes")
 

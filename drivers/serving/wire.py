@@ -652,7 +652,8 @@ class BodyReads:
 
 
 async def body_or_refusal(request: Request, limit: int, timeout: float,
-                          reads: BodyReads | None = None) -> bytes | BodyRefusal:
+                          reads: BodyReads | None = None,
+                          takes: str | None = None) -> bytes | BodyRefusal:
     """:func:`read_body`, its failures mapped to their answer, one mapping for every route
     that reads a body (the API's and the admin's): the client gone mid-upload is a 499
     (a cancelled request, which nobody reads), a body not whole within ``timeout`` a 408
@@ -661,7 +662,8 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
     admission refuses one whose body was read, for a read that began after the cut (its
     request came after the drain ended: it was told its body had not arrived in the grace,
     or admission's 503, depending on whether its bytes were already in the server's buffer
-    when the route asked)."""
+    when the route asked). ``takes``: the 413's advice of a route whose body is small by its
+    nature (``error_bodies.body_too_large``)."""
     after_cut = reads is not None and reads.cut_done
     try:
         raw = await read_body(request, limit, timeout, reads)
@@ -675,7 +677,7 @@ async def body_or_refusal(request: Request, limit: int, timeout: float,
             else f"server drained: {reads.why} before the request's body arrived whole; "
             "retry"), 503, CLOSE)
     if raw is None:
-        return BodyRefusal(body_too_large(limit), 413, CLOSE)
+        return BodyRefusal(body_too_large(limit, takes), 413, CLOSE)
     return raw
 
 
