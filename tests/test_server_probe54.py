@@ -226,21 +226,40 @@ def test_serve_dump_prompts_writes_a_file_only_its_owner_can_read(tmp_path):
     assert len(records) == 1 and records[0]["text"] and records[0]["prompt_token_ids"], records
 
 
-def test_a_dump_file_that_blocks_never_holds_the_event_loop(executor, tmp_path):
+class StalledFile:
+    """``os.open`` of ``path`` (a dump sink's file) waits until :meth:`release` (bounded):
+    a disk that stalls, as a hung NFS mount does. A FIFO no one read stood for one until
+    stop 71, when the sink stopped opening anything but a regular file."""
+
+    def __init__(self, monkeypatch, path) -> None:
+        self.path = os.fspath(path)
+        self.gate = threading.Event()
+        real_open = os.open
+
+        def stalled_open(file, *args, **kwargs):
+            if os.fspath(file) == self.path:
+                self.gate.wait(120.0)
+            return real_open(file, *args, **kwargs)
+        monkeypatch.setattr(os, "open", stalled_open)
+
+    def stall(self) -> None:
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_a_dump_file_that_blocks_never_holds_the_event_loop(executor, tmp_path, monkeypatch):
     """The dump record was written on the event loop at the end of every request: a disk that
-    stalls (here the dump file is a FIFO no one reads, as a hung NFS mount would) stopped
-    the whole server, every other request and ``/health`` included. Now the records are
-    queued for the sink's writer thread: the server answers meanwhile, and once the file
-    takes them they are written in the order the requests ended."""
+    stalls (here the dump file's open waits, as on a hung NFS mount) stopped the whole
+    server, every other request and ``/health`` included. Now the records are queued for
+    the sink's writer thread: the server answers meanwhile, and once the file takes them
+    they are written in the order the requests ended."""
     import httpx
 
     sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20)
-    os.mkfifo(sink.path)
-    reader: list[int] = []
-
-    def unblock() -> None:  # a reader for the FIFO: the writer's open() returns
-        if not reader:
-            reader.append(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))
+    stalled = StalledFile(monkeypatch, sink.path)
+    unblock = stalled.release
     try:
         with ServeLikeServer(create_app(executor, ServerConfig(), sink)) as server, \
                 httpx.Client(base_url=server.url, timeout=5) as http:
@@ -253,19 +272,17 @@ def test_a_dump_file_that_blocks_never_holds_the_event_loop(executor, tmp_path):
             assert sink.counts()["written"] == 0  # all waiting for the file
             unblock()
             assert sink.flush(10)
-            data = b""
-            while chunk := os.read(reader[0], 1 << 16):
-                data += chunk
+            data = sink.path.read_bytes()
         records = [json.loads(line) for line in data.decode().splitlines()]
         assert [r["x_request_id"] for r in records] == sent
         assert [r["prompt_tokens"] for r in records] == [1, 2, 3]
         assert sink.counts() == {"written": 3, "dropped": 0, "error": 0, "overflow": 0}
     finally:
         unblock()
-        os.close(reader[0])
 
 
-def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_path, caplog):
+def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_path, caplog,
+                                                                           monkeypatch):
     """The queue the writer thread takes from is bounded (``max_pending_bytes``): while the
     file takes nothing, records past the bound are dropped and counted (``overflow``, one
     warning line), never held without end; a ``close`` that runs out of time counts what it
@@ -273,7 +290,7 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     import logging
 
     sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20, max_pending_bytes=100)
-    os.mkfifo(sink.path)
+    stalled = StalledFile(monkeypatch, sink.path)
     record = {"i": 0, "pad": "x" * 27}  # 44 bytes a line: 2 fit in the bound
     with caplog.at_level(logging.WARNING, logger="calexec.dump"):
         taken = [sink.submit({**record, "i": i}) for i in range(6)]
@@ -284,19 +301,15 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     assert sink.counts()["overflow"] == taken.count(False)
     warned = [r for r in caplog.records if "dump writer behind" in r.getMessage()]
     assert 1 <= len(warned) <= 2, warned
-    assert sink.flush(0.2) is False  # nothing moves: the FIFO has no reader
-    reader = os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        assert sink.flush(10)
-        lines = os.read(reader, 1 << 16).decode().splitlines()
-    finally:
-        os.close(reader)
+    assert sink.flush(0.2) is False  # nothing moves: the file's open waits
+    stalled.release()
+    assert sink.flush(10)
+    lines = sink.path.read_text().splitlines()
     assert [json.loads(line)["i"] for line in lines] == [
         i for i, ok in enumerate(taken) if ok]
     assert sink.counts()["written"] == taken.count(True)
     # stuck again: close gives up on what is left within its time, counted, warned
-    os.unlink(sink.path)
-    os.mkfifo(sink.path)
+    stalled.stall()
     before = sink.counts()["overflow"]
     assert sink.submit(record) and sink.submit(record)
     with caplog.at_level(logging.WARNING, logger="calexec.dump"):
@@ -312,7 +325,7 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     again.start()
     again.join(30)
     waiting = again.is_alive()
-    os.close(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))  # (lets the writer end)
+    stalled.release()  # (lets the writer end)
     again.join(30)
     assert not waiting, "a second close waited for the write the stuck file holds"
     assert held == {"overflow": held["overflow"], "closed": False}, held

@@ -19,16 +19,18 @@ from calexec.machines import switch_check
 from test_server_support import started_executor
 
 
-def _bounded(call, fifo: str) -> list:
+def _bounded(call, fifo: str, end: int = os.O_WRONLY) -> list:
     """``call()`` in a thread, waited for at most 30 s: what it returned (empty: still
-    running, then unblocked by opening ``fifo``'s writing end, so no thread is left behind)."""
+    running, then unblocked by opening ``fifo``'s other end, ``end``, so no thread is left
+    behind)."""
     out: list = []
     thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
     thread.start()
     thread.join(30.0)
     if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the open that waits returns
+        fd = os.open(fifo, end | os.O_NONBLOCK)  # the open that waits returns
         thread.join(30.0)
+        os.close(fd)
         return []
     return out
 
@@ -221,3 +223,34 @@ def test_an_admin_body_over_the_limit_is_told_what_the_route_takes(tmp_path, rou
     assert takes in message and "prompts" not in message, message
     assert "--max-body-bytes" not in message, message
     assert api.status_code == 413 and "fewer or shorter prompts" in api.text, api.text[:300]
+
+
+@pytest.mark.parametrize("reader", [False, True])
+def test_a_fifo_at_the_dump_files_name_is_refused_not_waited_on_nor_fed(tmp_path, reader):
+    """The dump file's name is predictable (``<dir>/calexec-dump-<pid>.jsonl``) and its
+    directory may be one others write to (``/tmp``: a symlink planted there was refused at
+    stop 54). A FIFO made at that name held the writer in its open for ever when nobody
+    read it (every later record dropped as "writer behind"), and handed every record,
+    prompts included, to whoever read it. A record is now appended only to a regular file:
+    the FIFO is refused at once, counted in ``errors`` and warned as any refusal, and
+    nothing reaches its reader."""
+    from calexec.drivers.serving.dumpsink import DumpSink
+
+    sink = DumpSink(tmp_path / "dump", max_bytes=1_000_000, include_content=True)
+    os.mkfifo(sink.path)
+    read_end = os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+    try:
+        answered = _bounded(lambda: sink.write({"prompt": "a secret prompt"}), str(sink.path),
+                            os.O_RDONLY)
+        assert answered, "the record's write waited in the open of a FIFO no one read"
+        assert answered[0] is False
+        assert sink.counts()["error"] == 1 and sink.counts()["written"] == 0, sink.counts()
+        if read_end is not None:
+            try:
+                leaked = os.read(read_end, 4096)
+            except BlockingIOError:
+                leaked = b""
+            assert leaked == b"", leaked
+    finally:
+        if read_end is not None:
+            os.close(read_end)

@@ -16,7 +16,9 @@ The legacy code dumped to a path hard-coded under a user's home directory. Here:
   describes. One warning line names the file and the errno when writes start failing (and
   again when the errno changes); a write that succeeds again ends the streak;
 * the file is created ``0600`` (the umask may only take more away): it holds users' prompts
-  with ``include_content``, and what was asked when and how long it took without;
+  with ``include_content``, and what was asked when and how long it took without; a record
+  is appended only to a regular file (never through a symlink, never into a FIFO or a
+  device at that name: refused as the file system's errors are, without waiting);
 * the server hands records over with :meth:`DumpSink.submit`, which never touches the file:
   a writer thread of the sink's own appends them, in the order they were submitted, so a
   slow or stuck disk never holds the event loop. What waits for it is bounded
@@ -33,6 +35,7 @@ import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -247,10 +250,20 @@ class DumpSink:
             # the records are private), the umask applied; never through a symlink (a dump
             # directory others can write to, /tmp: one planted at the predictable name made
             # the prompts go wherever it pointed): ELOOP, counted and warned as any refusal
+            # (the directory removed or read-only, ENOSPC: the errno named below); never
+            # waiting in the open either (O_NONBLOCK; a FIFO with no reader: ENXIO), and only
+            # into a regular file: a FIFO at that name (made there by someone else) held the
+            # writer in its open for ever, every later record dropped as "writer behind",
+            # or, read by whoever made it, was handed every record (until stop 71)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                         | os.O_NOFOLLOW, FILE_MODE)
+                         | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
             with open(fd, "ab") as f:
-                size = os.fstat(f.fileno()).st_size
+                info = os.fstat(f.fileno())
+                if not stat.S_ISREG(info.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file (mode "
+                                  f"{stat.filemode(info.st_mode)}): records go only into a "
+                                  "file the sink made")
+                size = info.st_size
                 if size + len(line) > self.max_bytes:
                     return "dropped", size
                 try:
