@@ -256,3 +256,46 @@ def test_a_fifo_at_the_dump_files_name_is_refused_not_waited_on_nor_fed(tmp_path
     finally:
         if read_end is not None:
             os.close(read_end)
+
+
+def test_a_path_a_slash_away_from_a_route_is_told_which(tmp_path):
+    """``POST //v1/completions`` (a hand-written client joining a base URL ending in ``/``
+    to ``/v1/completions``; ``curl $BASE/v1/...``), ``POST /v1/chat/completions/`` (no
+    redirect since stop 40: Starlette built its ``Location`` from the client's ``Host``) and
+    ``POST /v1//chat/completions`` were answered ``no such route`` alone: the route the
+    client meant was not named. The 404 now says ``did you mean /v1/completions?`` and why;
+    a path no route is near stays as it was."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    from calexec.drivers.serving.server import create_app
+    from test_server_support import LiveServer
+
+    executor = started_executor(tmp_path)
+    answers = {}
+    try:
+        with LiveServer(create_app(executor, ServerConfig())) as server:
+            where = urlsplit(server.url)
+            for path in ("//v1/completions", "/v1/chat/completions/", "/v1//chat/completions",
+                         "/admin/reload/", "/v1/nothing/"):
+                conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+                try:
+                    conn.request("POST", path, body=b"{}",
+                                 headers={"Content-Type": "application/json"})
+                    response = conn.getresponse()
+                    answers[path] = (response.status, json.loads(response.read()))
+                finally:
+                    conn.close()
+    finally:
+        executor.shutdown(5.0)
+    for path, meant in (("//v1/completions", "/v1/completions"),
+                        ("/v1/chat/completions/", "/v1/chat/completions"),
+                        ("/v1//chat/completions", "/v1/chat/completions"),
+                        ("/admin/reload/", "/admin/reload")):
+        status, body = answers[path]
+        message = body["error"]["message"]
+        assert status == 404 and body["error"]["code"] == "not_found", (path, body)
+        assert message.startswith(f"POST {path}: no such route: did you mean {meant}? "), message
+    status, body = answers["/v1/nothing/"]
+    assert status == 404 and "did you mean" not in body["error"]["message"], body

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -155,14 +156,29 @@ def under_v1(path: str) -> str | None:
     return "/v1" + path
 
 
+def slash_slip(path: str, routes: Iterable[str]) -> str | None:
+    """The route among ``routes`` (paths without parameters) that ``path`` names but for its
+    slashes (one doubled, ``//v1/completions``: a base URL ending in ``/`` joined to a path
+    starting with one; one trailing, ``/v1/completions/``, which no longer redirects), else
+    None."""
+    if "//" not in path and not (path.endswith("/") and len(path) > 1):
+        return None
+    tidy = "/" + "/".join(part for part in path.split("/") if part)
+    return tidy if tidy != path and tidy in set(routes) else None
+
+
 def route_error(method: str, path: str, http_status: int,
                 headers: dict[str, str] | None = None,
-                meant: tuple[str, bool] | None = None) -> JSONResponse:
+                meant: tuple[str, bool] | None = None,
+                routes: Iterable[str] = ()) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
     path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``.
     ``meant``: (the route the path reaches with ``/v1`` once, :func:`under_v1`; whether it
     takes ``method``), which the 404 names (a client's base URL without ``/v1`` was told only
-    "no such route")."""
+    "no such route"). Otherwise a 404 whose path is one of ``routes`` but for a doubled or
+    trailing slash says which (:func:`slash_slip`): until stop 71 ``POST //v1/completions:
+    no such route`` alone."""
+    near = slash_slip(path, routes) if http_status == 404 and meant is None else None
     path = path[:200]
     if http_status == 405:
         allowed = (headers or {}).get("allow") or (headers or {}).get("Allow") or "?"
@@ -177,7 +193,9 @@ def route_error(method: str, path: str, http_status: int,
                                 + " (the OpenAI routes are under /v1: a client's base URL ends "
                                 "with /v1 once, http://HOST:PORT/v1)")
     else:
-        why = not_served(path) or encoded_separator(path)
+        why = not_served(path) or encoded_separator(path) or (
+            None if near is None else f"did you mean {near}? (the path differs from it by a "
+            "slash: a base URL ending in / joined to a path starting with /, or a trailing /)")
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                                 f"{method} {path}: no such route"
                                 + (f": {why}" if why else "") + " (docs/server.md lists them)")

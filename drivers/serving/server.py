@@ -149,7 +149,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         match = Match.NONE if under is None else _routed(app, request.scope, under)
         meant = None if under is None or match is Match.NONE else (under, match is Match.FULL)
         return route_error(request.method, request.url.path, exc.status_code,
-                           dict(exc.headers or {}), meant)
+                           dict(exc.headers or {}), meant, routes=fixed_paths())
+
+    def fixed_paths() -> list[str]:
+        """The paths of the app's routes that take no path parameter (a 404's "did you mean")."""
+        return [path for route in app.routes
+                if isinstance(path := getattr(route, "path", None), str) and "{" not in path]
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
