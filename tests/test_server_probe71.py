@@ -299,3 +299,31 @@ def test_a_path_a_slash_away_from_a_route_is_told_which(tmp_path):
         assert message.startswith(f"POST {path}: no such route: did you mean {meant}? "), message
     status, body = answers["/v1/nothing/"]
     assert status == 404 and "did you mean" not in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("extra", [{"echo": True, "logprobs": 1}, {"prompt_logprobs": 1}])
+def test_a_timeout_met_while_the_prompt_is_scored_names_the_prompt_logprobs(tmp_path, extra):
+    """Prompt logprobs (``echo`` with ``logprobs``, vLLM's ``prompt_logprobs``) score the
+    prompt one token per device job: a long prompt's request met its ``timeout`` before any
+    token was generated and was told ``... passed after 0 generated tokens ...: give a
+    larger timeout or a smaller max_tokens``, though ``max_tokens: 1`` was not what took the
+    time. It now names the positions scored, the prompt logprobs, and what to change (a
+    larger timeout, a shorter prompt, or no prompt logprobs)."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path, device_config="decode_us=20000")
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post("/v1/completions", json={
+                "prompt": [5] * 200, "max_tokens": 1, "timeout": 0.5, **extra})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 504, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert message.startswith("request timeout=0.5 s passed after "), message
+    assert "of the prompt's 199 logprobs positions, before any token was generated" in message
+    assert ("give a larger timeout or a shorter prompt, or leave prompt logprobs out"
+            in message), message
+    assert "max_tokens" not in message, message

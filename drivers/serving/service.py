@@ -744,6 +744,15 @@ def _told_as_timeout(run: RequestRun, status: Status) -> Status:
         return status
     told = run.deadline - run.started if run.timeout is None else run.timeout
     step = _JOB_CONTINUES.sub("", status.message)
+    if run.rows_pending:  # met while the prompt was scored one token a job: no max_tokens'
+        scored = len(run.prompt_rows)  # fault (it said "a smaller max_tokens" until stop 71)
+        return attrs.evolve(status, message=(
+            f"{_TIMEOUT_TOLD}{told:g} s passed after {scored} of the prompt's "
+            f"{len(run.prompt) - 1} logprobs positions, before any token was generated (the "
+            "body's timeout, or the server's --timeout): prompt logprobs (echo with logprobs, "
+            "or prompt_logprobs) score the prompt one token per device job; the request ended "
+            f"there: give a larger timeout or a shorter prompt, or leave prompt logprobs out "
+            f"({step})"))
     return attrs.evolve(status, message=(
         f"{_TIMEOUT_TOLD}{told:g} s passed after {len(run.tokens)} generated tokens (the "
         f"body's timeout, or the server's --timeout); the request ended there: give a larger "
