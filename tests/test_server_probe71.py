@@ -327,3 +327,30 @@ def test_a_timeout_met_while_the_prompt_is_scored_names_the_prompt_logprobs(tmp_
     assert ("give a larger timeout or a shorter prompt, or leave prompt logprobs out"
             in message), message
     assert "max_tokens" not in message, message
+
+
+def test_max_tool_calls_is_honoured_not_refused(tmp_path):
+    """``max_tool_calls`` on ``/v1/responses`` bounds the calls to built-in tools (OpenAI's
+    reference: "The maximum number of total calls to built-in tools"), which this server
+    refuses in ``tools``: any count is honoured, none being made. It was a 400 ``not
+    supported`` for every value, failing a client that sets a bound by habit; an integer
+    >= 0 is now served and echoed in the response, another value refused naming it."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            served = client.post("/v1/responses", json={
+                "input": "hi", "max_output_tokens": 16, "max_tool_calls": 3})
+            refused = client.post("/v1/responses", json={
+                "input": "hi", "max_output_tokens": 16, "max_tool_calls": -1})
+    finally:
+        executor.shutdown(5.0)
+    assert served.status_code == 200, served.text[:300]
+    assert served.json()["max_tool_calls"] == 3
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == "max_tool_calls", error
+    assert error["message"].startswith("max_tool_calls=-1: must be an integer >= 0 or null"), error

@@ -206,9 +206,12 @@ def unsupported(body: ResponsesRequest) -> None:
     if body.prompt is not None:
         raise refuse(f"prompt={shown(body.prompt, 80)}: stored prompt templates are not "
                      "supported (nothing is stored)", "prompt")
-    if body.max_tool_calls is not None:
-        raise refuse(f"max_tool_calls={shown(body.max_tool_calls, 80)}: not supported",
-                     "max_tool_calls")
+    calls = body.max_tool_calls  # OpenAI's bound on calls to built-in tools, which are
+    # refused here (``tools``): any count is honoured, none being made (a 400 until stop 71)
+    if calls is not None and (type(calls) is not int or calls < 0):
+        raise refuse(f"max_tool_calls={shown(calls, 80)}: must be an integer >= 0 or null "
+                     "(it bounds calls to built-in tools, which this server has none of: any "
+                     "count is honoured)", "max_tool_calls")
     if body.context_management is not None:
         raise refuse(f"context_management={shown(body.context_management, 80)}: not "
                      "supported", "context_management")
@@ -539,7 +542,7 @@ class Answer:
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length"
             else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "max_tool_calls": None, "metadata": body.metadata or {}, "model": self.model,
+            "max_tool_calls": body.max_tool_calls, "metadata": body.metadata or {}, "model": self.model,
             "output": list(self.output),
             "parallel_tool_calls": True if body.parallel_tool_calls is None
             else body.parallel_tool_calls,
