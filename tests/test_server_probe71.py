@@ -1,8 +1,9 @@
 """Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` at stop 71
 (branch probe-http): a reload's calbin path replaced by a FIFO while it is checked or
-loaded, a served model name no client sends back, what ``best_of`` and an admin body over
-the limit are told, a FIFO at the dump file's name. Real executor on the bundled emulator;
-loopback only; every wait bounded."""
+loaded, a served model name no client sends back, what ``best_of``, an admin body over the
+limit, a path a slash away from a route and a timeout met while prompt logprobs were scored
+are told, a FIFO at the dump file's name, ``max_tool_calls``. Real executor on the bundled
+emulator; loopback only; every wait bounded."""
 
 from __future__ import annotations
 
