@@ -196,7 +196,12 @@ def _open_file_refusal(runtime: object, manifest: Manifest, fd: int, path: str,
         return refused("unreadable", shown, f"cannot read the file ({unreadable})")
     inspect: Callable[[str], tuple[RuntimeModelInfo, ...] | str | None] | None = getattr(
         runtime, "inspect_calbin", None)
-    models = inspect(path) if inspect is not None else None
+    # (the loader reads the file open as ``fd``, a new open of it through /proc, as the
+    # switch's load does: given the path again it read whatever was there by then, a FIFO
+    # answered "the loader refused it (ERR_FILE_READ)", until stop 71)
+    opened = f"/proc/self/fd/{fd}"
+    models = (inspect(opened if os.path.exists(opened) else path) if inspect is not None
+              else None)
     if isinstance(models, str):
         return refused("invalid", shown, f"not a calbin the runtime loads: {models}")
     pinned = manifest.calbin_sha256 if hash_pin else None

@@ -208,6 +208,17 @@ class CalRT:
         return rc, (Device(self, out[0]) if rc == 0 else None)
 
 
+def _file_name(path: str) -> str:
+    """``path`` as a log line names it: for ``/proc/self/fd/N`` (a reload's check gives the
+    loader the file it holds open: ``switch_check``), the name the file was opened by."""
+    if path.startswith("/proc/self/fd/"):
+        try:
+            return os.readlink(path)
+        except OSError:
+            pass
+    return path
+
+
 class Device:
     """One virtual device. ``emu`` is the emulator controls, or None for a vendor shim."""
 
@@ -269,7 +280,7 @@ class Device:
             mode = os.fstat(fd).st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 log.error("calbin %r not loaded: not a regular file (mode %s), whose read may "
-                          "never end", path, stat.filemode(mode))
+                          "never end", _file_name(path), stat.filemode(mode))
                 return Rc.ERR_FILE_READ, None
             reopened = f"/proc/self/fd/{fd}"
             return self._load(path, reopened if os.path.exists(reopened) else path, sha256)
@@ -283,7 +294,8 @@ class Device:
         if rc != 0:
             why = self.emu.calbin_error() if self.emu is not None else ""
             if why:  # 0.7.6 answers 19 alone: the emulator says which dtype it refused
-                log.error("calbin %r refused (%d INVALID_CALBIN): %s", path, rc, why)
+                log.error("calbin %r refused (%d INVALID_CALBIN): %s", _file_name(path), rc,
+                          why)
             return rc, None
         sha: str | None = ""
         try:

@@ -1,0 +1,77 @@
+"""Stop 71 (review): defects found reviewing the stop's merged change.
+
+1. A reload's check (``switch_check.check_calbin``) opens the calbin once and says it reads
+   what it opened (its first bytes, the runtime's loader, the sha256), but it gave the
+   runtime's loader (``inspect_calbin``) the path again: a file replaced after the check's
+   look was what the loader read (a FIFO there: ``calbin.invalid``, "the loader refused it
+   (ERR_FILE_READ)", of a calbin that was whole when looked at). The loader now reads the
+   file the check holds open (``/proc/self/fd/N``), as the switch's load does.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.synthetic import calbin
+from calexec.machines import switch_check
+
+
+def _bounded(call, fifo: str) -> list:
+    """``call()`` in a thread, waited for at most 30 s (then unblocked by opening ``fifo``'s
+    writing end): what it returned, empty when it was still running."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(30.0)
+    if thread.is_alive():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        thread.join(30.0)
+        os.close(fd)
+        return []
+    return out
+
+
+def test_a_reload_check_runs_the_loader_on_the_file_it_looked_at(tmp_path, monkeypatch):
+    """The check's ``fstat`` of what it opened says a regular calbin; the path is then
+    replaced by a FIFO (an operator's script rewriting the file): the runtime's loader of
+    the check reads the file looked at, and the check passes, as the switch's load would."""
+    path = str(tmp_path / "next.calbin")
+    calbin.write(path, calbin.default_spec())
+    inode = os.stat(path).st_ino
+    real_fstat = os.fstat
+    swapped: list[int] = []
+
+    def fstat_then_swap(fd, *args, **kwargs):
+        result = real_fstat(fd, *args, **kwargs)
+        if result.st_ino == inode and not swapped:  # the check looked at the calbin
+            swapped.append(fd)
+            os.unlink(path)
+            os.mkfifo(path)
+        return result
+
+    monkeypatch.setattr(os, "fstat", fstat_then_swap)
+    answered = _bounded(lambda: switch_check.check_calbin(
+        CalRT.load(), load_manifest(default_manifest_path()), path), path)
+    monkeypatch.undo()
+    assert swapped, "the check never looked at the file it opened"
+    assert answered, "the check waited in an open of the FIFO (unblocked by the test)"
+    assert answered[0].ok, answered[0]
+
+
+def test_a_reload_checks_loader_refusal_names_the_file_not_its_descriptor(tmp_path, caplog):
+    """The loader of the check reads ``/proc/self/fd/N``; its log line refusing a file that
+    is no calbin names the file the operator gave, not that descriptor."""
+    path = tmp_path / "odd.calbin"  # (a tensor of a dtype the emulator does not know)
+    text = calbin.dumps(calbin.default_spec()).decode()
+    assert " S32 " in text
+    path.write_text(text.replace(" S32 ", " Q99 ", 1))
+    caplog.set_level("ERROR", logger="calexec")
+    status = switch_check.check_calbin(CalRT.load(), load_manifest(default_manifest_path()),
+                                       str(path))
+    assert status.code == "calbin.invalid", status
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert lines and all(str(path) in line and "/proc/self/fd" not in line
+                         for line in lines), lines
