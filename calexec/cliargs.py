@@ -262,9 +262,10 @@ class Parser(argparse.ArgumentParser):
 
     def _after_switch(self, words: list[str]) -> str:
         """`` (--png is a switch and takes no value: 'd' after it is no value of it)`` when
-        the first unrecognized word of ``words`` follows a switch (a flag that takes no
-        value) on the command line; "" otherwise."""
-        if not words:
+        the first unrecognized word of ``words``, no flag (it does not start with ``-``),
+        follows a switch (a flag that takes no value) on the command line; "" otherwise."""
+        if not words or words[0].startswith("-"):  # (argparse reads no such word as a
+            # value: an unknown flag after a switch was called the switch's value)
             return ""
         for before, word in zip(self._words, self._words[1:]):
             action = self._option_string_actions.get(before)

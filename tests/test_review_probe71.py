@@ -6,6 +6,10 @@
    look was what the loader read (a FIFO there: ``calbin.invalid``, "the loader refused it
    (ERR_FILE_READ)", of a calbin that was whole when looked at). The loader now reads the
    file the check holds open (``/proc/self/fd/N``), as the switch's load does.
+2. A flag no command has, typed after a switch (``calexec diagrams --check --frobnicate``),
+   was told it was the switch's value: "(--check is a switch and takes no value:
+   '--frobnicate' after it is no value of it)". argparse reads no word starting with ``-``
+   as a value; only such a word is now told so, an unknown flag is told what any is.
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
+from calexec.cli import main as cli
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin
@@ -75,3 +82,21 @@ def test_a_reload_checks_loader_refusal_names_the_file_not_its_descriptor(tmp_pa
     lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert lines and all(str(path) in line and "/proc/self/fd" not in line
                          for line in lines), lines
+
+
+@pytest.mark.parametrize("argv, word", [
+    (["diagrams", "--check", "--frobnicate"], "--frobnicate"),
+    (["diagrams", "--check", "-z"], "-z"),
+])
+def test_an_unknown_flag_after_a_switch_is_not_called_its_value(capsys, argv, word):
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {word}" in err, err
+    assert "is a switch and takes no value" not in err, err
+
+
+def test_a_word_after_a_switch_is_still_told_the_switch_takes_none(capsys):
+    assert cli(["diagrams", "--check", "yes"]) == 2
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: yes (--check is a switch and takes no value: 'yes' "
+            "after it is no value of it)") in err, err
