@@ -76,7 +76,10 @@ def call_group(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     does, and return its exit code; but in a process group of its own, killed whole when the
     caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
     ``subprocess.call`` kills only the program it started, and what that had started (a
-    shell's background job, pytest-xdist's workers) ran on (``charts cover``'s command)."""
+    shell's background job, pytest-xdist's workers) ran on (``charts cover``'s command).
+    What the command leaves running in its group when it exits (a server a test never
+    stopped) is killed then too (SIGKILL, at once: no grace); a process that left the group
+    (``setsid``, a daemon) is not."""
     proc: subprocess.Popen[bytes] | None = None
     try:
         with interrupts_held():  # (as run_group's)
