@@ -1362,9 +1362,11 @@ def _unheard(declaration: type, outcomes: Mapping[str, bool]) -> str | None:
 
 def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
-    guard outcomes first; return the final state. Raises as ``send`` does, and
-    ``PathNotFollowed`` when the run did not take a step's transition (``StateChart``
-    semantics refuse quietly). A path with a ``start`` needs a run started under it:
+    guard outcomes first; return the final state. Raises ``PathNotFollowed`` when the run did
+    not take a step's transition (``StateChart`` semantics refuse quietly) or refused it
+    (``IllegalTransition``, ``GuardRejected``: its ``__cause__``, its text in the message;
+    raised bare until stop 71), and as ``send`` does for an error a validator, guard or
+    action raises (a note naming the step added). A path with a ``start`` needs a run started under it:
     ``chart.run(GuardTable.for_chart(chart, outcomes=path.start))`` (the start reads the model
     as the chart starts).
 
