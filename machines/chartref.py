@@ -14,6 +14,7 @@ import os
 import pkgutil
 import re
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -403,30 +404,53 @@ def _no_chart(module: object) -> str:
 #: how many files of a package ``_declaring`` reads, at most (a chart's class statement is
 #: looked for as text: importing every module of a package to find it could run anything)
 _SCAN_FILES = 200
+#: how many directories ``_declaring`` lists, at most (``./:Order`` from a home directory)
+_SCAN_DIRS = 1000
 
 
 def _declaring(directory: str, class_name: str) -> str | None:
     """The path of the ``.py`` file under ``directory`` (its subdirectories too, at most
-    ``_SCAN_FILES`` files) whose text declares ``class_name`` (``class OrderFlow(`` or
-    ``OrderFlow = ...`` at the start of a line), or None."""
+    ``_SCAN_FILES`` files read in ``_SCAN_DIRS`` directories listed) whose text declares
+    ``class_name`` (``class OrderFlow(`` or ``OrderFlow = ...`` at the start of a line), or
+    None. Only regular files are read, each opened without waiting (a FIFO named ``a.py``
+    held the search in its open for ever, and the walk went on through every directory
+    once the files' bound was reached, until stop 71)."""
     if not class_name.isidentifier():
         return None
     pattern = re.compile(rf"^(class\s+{class_name}\b|{class_name}\s*=)", re.MULTILINE)
     read = 0
-    for here, dirs, files in os.walk(directory):
+    for listed, (here, dirs, files) in enumerate(os.walk(directory)):
+        if listed >= _SCAN_DIRS:
+            return None
         dirs[:] = sorted(d for d in dirs if d.isidentifier())
         for name in sorted(files):
-            if not name.endswith(".py") or read >= _SCAN_FILES:
+            if not name.endswith(".py"):
                 continue
-            read += 1
+            if read >= _SCAN_FILES:
+                return None
             path = os.path.join(here, name)
-            try:
-                with open(path, encoding="utf-8", errors="replace") as source:
-                    if pattern.search(source.read(1_000_000)):
-                        return path
-            except OSError:
-                continue
+            if _declares(path, pattern):
+                return path
+            read += 1
     return None
+
+
+def _declares(path: str, pattern: re.Pattern[str]) -> bool:
+    """Whether the regular file ``path``'s first megabyte matches ``pattern`` (anything else,
+    or a file that cannot be read: False, without waiting)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        with os.fdopen(fd, encoding="utf-8", errors="replace", closefd=False) as source:
+            return pattern.search(source.read(1_000_000)) is not None
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _directory_hint(root: str, directory: str, class_name: str) -> str:

@@ -10,6 +10,11 @@
    was told it was the switch's value: "(--check is a switch and takes no value:
    '--frobnicate' after it is no value of it)". argparse reads no word starting with ``-``
    as a value; only such a word is now told so, an unknown flag is told what any is.
+3. A directory given for a chart's module (``charts draw shop/:Order``) is searched for the
+   module declaring the class, "at most 200 files" read: but the walk went on through every
+   directory under it once 200 were read (``./:Order`` from a home directory walked all of
+   it), and a ``.py`` name that is a FIFO was opened and waited on for ever. The search now
+   ends at its bound and reads only regular files.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin
 from calexec.machines import switch_check
+from calexec.machines.chartref import ChartRefError, load_chart
 
 
 def _bounded(call, fifo: str) -> list:
@@ -100,3 +106,47 @@ def test_a_word_after_a_switch_is_still_told_the_switch_takes_none(capsys):
     err = capsys.readouterr().err
     assert ("unrecognized arguments: yes (--check is a switch and takes no value: 'yes' "
             "after it is no value of it)") in err, err
+
+
+def test_a_directory_search_for_a_chart_ends_once_it_read_its_bound(tmp_path, monkeypatch):
+    """201 modules declaring nothing, then 30 directories more: the walk stops at the bound
+    (the first directory), not after listing the 30."""
+    first = tmp_path / "shop" / "a"
+    first.mkdir(parents=True)
+    for i in range(201):
+        (first / f"m{i}.py").write_text("x = 1\n")
+    for i in range(30):
+        (tmp_path / "shop" / f"z{i}").mkdir()
+    real_walk = os.walk
+    listed: list[str] = []
+
+    def counted_walk(top, *args, **kwargs):
+        for here, dirs, files in real_walk(top, *args, **kwargs):
+            listed.append(here)
+            yield here, dirs, files
+
+    monkeypatch.setattr(os, "walk", counted_walk)
+    with pytest.raises(ChartRefError, match="is a directory, not a module name"):
+        load_chart("shop/:Order", cwd=str(tmp_path))
+    monkeypatch.undo()
+    assert len(listed) <= 2, listed
+
+
+def test_a_fifo_named_like_a_module_is_not_waited_on(tmp_path):
+    """A FIFO ``a.py`` in the directory given: not opened; the module declaring the chart,
+    further on, is still named."""
+    shop = tmp_path / "shop"
+    shop.mkdir()
+    os.mkfifo(shop / "a.py")
+    (shop / "orders.py").write_text("class Order(object):\n    pass\n")
+
+    def refusal():
+        try:
+            load_chart("shop/:Order", cwd=str(tmp_path))
+        except ChartRefError as err:
+            return str(err)
+        return None
+
+    answered = _bounded(refusal, str(shop / "a.py"))
+    assert answered, "the search waited in an open of the FIFO (unblocked by the test)"
+    assert "Order is declared in shop/orders.py: name shop.orders:Order" in answered[0], answered
