@@ -271,11 +271,18 @@ class Device:
         between (a script rewriting the file a ``POST /admin/reload`` names) held the
         switch in the loader's open for ever, the lifecycle Configuring and nothing served.
         What the open finds that is no regular file (nor a directory, which the loader
-        refuses at once) is answered 11 (FILE_READ) without calling the loader."""
+        refuses at once) is answered 11 (FILE_READ) without calling the loader.
+
+        A vendor shim (no emulator controls) is given the file's own name, not
+        ``/proc/self/fd/N``: ``calrt.h`` does not say a loader reads the file only inside
+        ``calrt_calbin_load``, and one that keeps the path to read later, looks for files
+        beside it or logs it would find a descriptor closed once the load returned. There the
+        hash still reads the file held open, and a swap between the look and the loader's open
+        is the shim's to see, as before stop 71."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         except (OSError, ValueError):  # (missing, unreadable: the runtime says which)
-            return self._load(path, path, sha256)
+            return self._load(path, path, path, sha256)
         try:
             mode = os.fstat(fd).st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
@@ -283,14 +290,17 @@ class Device:
                           "never end", _file_name(path), stat.filemode(mode))
                 return Rc.ERR_FILE_READ, None
             reopened = f"/proc/self/fd/{fd}"
-            return self._load(path, reopened if os.path.exists(reopened) else path, sha256)
+            held = reopened if os.path.exists(reopened) else path
+            return self._load(path, held if self.emu is not None else _file_name(path), held,
+                              sha256)
         finally:
             os.close(fd)
 
-    def _load(self, path: str, opened: str, sha256: bool) -> tuple[int, Calbin | None]:
-        """``load_calbin`` of ``path``, the runtime and the hash reading ``opened``."""
+    def _load(self, path: str, loaded: str, hashed: str,
+              sha256: bool) -> tuple[int, Calbin | None]:
+        """``load_calbin`` of ``path``: the runtime reading ``loaded``, the hash ``hashed``."""
         out = self._ffi.new("calrt_calbin **")
-        rc = self._lib.calrt_calbin_load(self._h, os.fsencode(opened), out)
+        rc = self._lib.calrt_calbin_load(self._h, os.fsencode(loaded), out)
         if rc != 0:
             why = self.emu.calbin_error() if self.emu is not None else ""
             if why:  # 0.7.6 answers 19 alone: the emulator says which dtype it refused
@@ -300,7 +310,7 @@ class Device:
         sha: str | None = ""
         try:
             if sha256:
-                with open(opened, "rb") as f:
+                with open(hashed, "rb") as f:
                     sha = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError:
             sha = None
