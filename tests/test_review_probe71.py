@@ -150,3 +150,40 @@ def test_a_fifo_named_like_a_module_is_not_waited_on(tmp_path):
     answered = _bounded(refusal, str(shop / "a.py"))
     assert answered, "the search waited in an open of the FIFO (unblocked by the test)"
     assert "Order is declared in shop/orders.py: name shop.orders:Order" in answered[0], answered
+
+
+#: a command that leaves a background process whose SIGTERM handler writes a marker (its
+#: clean-up: a socket removed, a file flushed), then exits
+_LEAVES_A_SERVER = (
+    "import os, signal, subprocess, sys\n"
+    "child = subprocess.Popen([sys.executable, '-c', "
+    "\"import os, signal, sys, time\\n"
+    "def bye(*_):\\n"
+    "    open(sys.argv[1], 'w').write('cleaned up')\\n"
+    "    os._exit(0)\\n"
+    "signal.signal(signal.SIGTERM, bye)\\n"
+    "open(sys.argv[2], 'w').write('up')\\n"
+    "time.sleep(60)\\n\", sys.argv[1], sys.argv[2]])\n"
+    "import time\n"
+    "deadline = time.monotonic() + 30\n"
+    "while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:\n"
+    "    time.sleep(0.01)\n"
+)
+
+
+def test_what_a_command_left_running_is_asked_to_end_before_it_is_killed(tmp_path):
+    """Found at stop 71 (the review probe, recommended; done by the lead): ``charts cover``'s
+    and ``charts mutate``'s command runs (``subproc.call_group``, ``charts_mutate._run``)
+    ended what the command left in its process group when it exited with SIGKILL at once: a
+    server a test started and never stopped had no chance to clean up (its socket, its pid
+    file). It gets SIGTERM first, SIGKILL only if still there ``TERM_GRACE_S`` later."""
+    import sys
+
+    from calexec.drivers.tools.bench.subproc import call_group
+
+    marker, up = tmp_path / "cleaned", tmp_path / "up"
+    script = tmp_path / "leaves.py"
+    script.write_text(_LEAVES_A_SERVER)
+    assert call_group([sys.executable, str(script), str(marker), str(up)]) == 0
+    assert up.exists()
+    assert marker.exists() and marker.read_text() == "cleaned up"

@@ -50,6 +50,7 @@ from typing import Any
 import attrs
 
 from calexec import cliargs
+from calexec.drivers.tools.bench.subproc import end_leftovers
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
 from calexec.machines.chart_support import UnsupportedChart, refuse_unsupported
@@ -370,8 +371,9 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
     exit 130), and once it exited: what it left running in the background (a server a test
     started and never stopped, ``sh -c 'server & pytest'``) held its output open, and the run
     waited for it: for ever in the unmutated run, and a mutant that passed was judged killed
-    by its timeout (until stop 71). Raises :class:`_Stopped` in a worker's run after
-    ``running`` stopped."""
+    by its timeout (until stop 71); it is ended with SIGTERM, SIGKILL at most
+    ``TERM_GRACE_S`` later (``end_leftovers``). Raises :class:`_Stopped` in a worker's run
+    after ``running`` stopped."""
     running.check()
     start = time.monotonic()
     proc: subprocess.Popen[bytes] | None = None
@@ -389,8 +391,11 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
             code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
-        _kill(proc)  # (the group: what the command left running, its output's last holders)
-        proc.wait()
+        if code is None:  # (timed out: the group at once)
+            _kill(proc)
+            proc.wait()
+        else:  # what the command left running, its output's last holders: SIGTERM first
+            end_leftovers(proc.pid)
         # (a process that left the group, setsid, may hold the output for ever: not waited for)
         reader.join(_LEFT_OUTPUT_S)
     except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,30 @@ def _kill_group(proc: subprocess.Popen[Any]) -> None:
         _signal_group(proc, signal.SIGKILL)
         raise
     _signal_group(proc, signal.SIGKILL)
+
+
+def end_leftovers(pid: int, grace: float = TERM_GRACE_S) -> None:
+    """End what a command left running in its process group ``pid`` (a session of its own)
+    once the command itself exited and was reaped: a server a test started and never stopped,
+    a shell's background job. SIGTERM first, so it cleans up (removes its socket or pid file,
+    flushes what it writes), then, once the group is empty or at most ``grace`` seconds later,
+    SIGKILL for whatever ignores SIGTERM. Nothing left: returns at once. A process that left
+    the group (``setsid``, a daemon) is not touched."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):  # (nothing left in the group)
+        return
+    until = time.monotonic() + grace
+    while time.monotonic() < until:
+        time.sleep(0.02)
+        try:
+            os.killpg(pid, 0)
+        except (ProcessLookupError, PermissionError):  # (the group is empty)
+            return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_group(argv: Sequence[str], timeout: float | None = None,
@@ -78,8 +103,8 @@ def call_group(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     ``subprocess.call`` kills only the program it started, and what that had started (a
     shell's background job, pytest-xdist's workers) ran on (``charts cover``'s command).
     What the command leaves running in its group when it exits (a server a test never
-    stopped) is killed then too (SIGKILL, at once: no grace); a process that left the group
-    (``setsid``, a daemon) is not."""
+    stopped) is ended then too (:func:`end_leftovers`: SIGTERM, SIGKILL after at most
+    :data:`TERM_GRACE_S`); a process that left the group (``setsid``, a daemon) is not."""
     proc: subprocess.Popen[bytes] | None = None
     try:
         with interrupts_held():  # (as run_group's)
@@ -94,7 +119,7 @@ def call_group(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
     # what the command left running in its group (a server a test never stopped) ends with
     # it: until stop 71 it ran on past calexec, and a Python one of ``charts cover``'s wrote
     # its transitions at its exit into the run's directory, removed by then (a traceback)
-    _signal_group(proc, signal.SIGKILL)
+    end_leftovers(proc.pid)
     return code
 
 
