@@ -219,11 +219,13 @@ def test_an_openai_endpoint_not_served_says_why(client: openai.OpenAI, call, rou
 
 
 def test_an_unknown_path_is_still_no_such_route_alone(client: openai.OpenAI):
+    # (a path no route is near: since stop 71 ``/v1/completions/``, a slash away from a
+    # route, names the route meant, tests/test_server_probe71.py)
     with pytest.raises(openai.NotFoundError) as caught:
-        client.post("/completions/", cast_to=object, body={"prompt": "hi"})
+        client.post("/frobnicate", cast_to=object, body={"prompt": "hi"})
     error = caught.value.body
     assert isinstance(error, dict)
-    assert error["message"] == "POST /v1/completions/: no such route (docs/server.md lists them)"
+    assert error["message"] == "POST /v1/frobnicate: no such route (docs/server.md lists them)"
 
 
 @pytest.mark.parametrize(("stop", "finish", "arguments"), [

@@ -214,7 +214,7 @@ CHAT_REFUSED = [
     ("response_format", {"type": "regex"}), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
-    ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 17), ("top_logprobs", 2),
+    ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 129), ("top_logprobs", 2),
     ("max_completion_tokens", 0), ("messages", [{"role": "function", "content": "x"}]),
     ("guided_json", {})]
 
