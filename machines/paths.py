@@ -1323,10 +1323,12 @@ def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     return guard
 
 
-class PathNotFollowed(Exception):
+class PathNotFollowed(ChartTransitionError):
     """A run that did not take a step of the path ``drive`` sent it: ``chart``, ``step`` (its
     number, from 1), ``transition`` (``source --event--> target``) and ``state`` (where the
-    run is)."""
+    run is). A :class:`ChartTransitionError`: since stop 71 ``drive`` raises it, not the run's
+    own error (its ``__cause__``), for a step the run refused, and code catching the base
+    around ``drive`` still catches it."""
 
     def __init__(self, chart: str, step: int, steps: int, transition: Transition,
                  state: str, why: str | None = None) -> None:

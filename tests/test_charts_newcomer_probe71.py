@@ -417,3 +417,20 @@ def test_cover_ends_what_the_test_command_left_running(
         for pid in [int(line) for line in (tmp_path / "pids").read_text().split()]:
             if _alive(pid):  # (the old code's leak: not left to this run)
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_refused_step_is_still_a_chart_transition_error_to_code_catching_it():
+    """Found at stop 71 (the review probe): ``drive`` now raises ``PathNotFollowed`` for a
+    step the run refuses, where it raised the run's own ``IllegalTransition``; code of a
+    team catching ``ChartTransitionError`` (the base of every refusal of a run) around
+    ``drive`` no longer caught it. ``PathNotFollowed`` is a ``ChartTransitionError``, its
+    cause the run's own error."""
+    from calexec.machines.chart_support import ChartTransitionError, IllegalTransition
+
+    walk = state_paths(Checkout)["shipped"]
+    run = compiled(Checkout).run(GuardTable.for_chart(Checkout))
+    assert drive(run, walk) == "shipped"
+    with pytest.raises(ChartTransitionError) as caught:
+        drive(run, walk)  # the same run again: step 1 refused
+    assert isinstance(caught.value, PathNotFollowed)
+    assert isinstance(caught.value.__cause__, IllegalTransition)
