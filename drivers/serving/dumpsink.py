@@ -262,7 +262,7 @@ class DumpSink:
                 if not stat.S_ISREG(info.st_mode):
                     raise OSError(errno.EINVAL, "not a regular file (mode "
                                   f"{stat.filemode(info.st_mode)}): records go only into a "
-                                  "file the sink made")
+                                  "regular file")
                 size = info.st_size
                 if size + len(line) > self.max_bytes:
                     return "dropped", size
