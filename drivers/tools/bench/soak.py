@@ -677,6 +677,10 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             if r.status_code != 200:
                 problems.append(f"a nudge request answered {r.status_code}: {r.text[:200]}")
         start_pools = end_pools = None
+        # the client threads: joined on every way out (an interrupt too: they ran on after
+        # `interrupted` was said, and a second Ctrl-C then met the interpreter waiting for
+        # them at exit, a traceback on the terminal)
+        workers: list[threading.Thread] = []
         objects_start: int | None = None
         objects_end: int | None = None
         count_objects = hooks.objects or live_objects
@@ -702,7 +706,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                 objects_start = count_objects()
                 monitor.marks.append(decode_counters())
                 monitor.start()
-                workers = [threading.Thread(
+                workers[:] = [threading.Thread(
                     target=_client, args=(server.url, i, seed, stop, tally, traffic, current,
                                           hooks, deadline), name=f"bench-soak-client-{i}")
                     for i in range(clients)]
@@ -795,6 +799,9 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             emu.clear_all_faults()
             if not executor.lifecycle.final:
                 executor.shutdown(10.0)
+            bound = time.monotonic() + REQUEST_TIMEOUT_S + 10  # (the server is gone: at
+            for thread in workers:  # most a request's end away; a Ctrl-C here still ends it)
+                thread.join(max(0.0, bound - time.monotonic()))
     seconds = time.monotonic() - t_start
     wait_until(lambda: not set(threading.enumerate()) - threads_before, THREAD_WAIT_S)
     leaked = sorted(t.name for t in set(threading.enumerate()) - threads_before)

@@ -1,0 +1,50 @@
+"""Stop 71 (cli): bad CLI input and interrupts, as a user on a terminal and a CI script give
+them (docs/traceability.md, "Found at stop 71 (cli)"). Never a timing figure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import needs
+
+needs.module("httpx", "server")  # the soak drives the server over HTTP ([server])
+from calexec.drivers.tools.bench import soak  # noqa: E402
+
+#: how long a client that finished a request after the interrupt holds it before counting:
+#: long enough that a run not waiting for its clients has returned by then (not asserted)
+HOLD_S = 2.0
+
+
+def _clients_alive() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("bench-soak-client") and t.is_alive()]
+
+
+def test_an_interrupted_soak_has_ended_its_clients_when_it_returns():
+    """``calexec bench soak`` interrupted (Ctrl-C, or a SIGTERM made one) said
+    ``interrupted`` and returned with its client threads still running (non-daemon: the
+    interpreter waited for them at exit), so a second Ctrl-C in that window printed
+    ``Exception ignored in: <module 'threading'> ... KeyboardInterrupt``, a traceback, on the
+    terminal. The interrupt path now ends and joins them, as the run's normal end does."""
+    interrupted = threading.Event()
+
+    def count(body, tokens):  # (in a client thread, for each request it completed)
+        if not interrupted.is_set():
+            interrupted.set()  # a Ctrl-C, while this client holds a request it finished
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(HOLD_S)
+        return tokens
+
+    assert not _clients_alive()
+    with pytest.raises(KeyboardInterrupt):
+        soak.run_cli(["bench", "soak", "--json", "--requests", "60", "--faults", "1",
+                      "--clients", "2", "--seed", "3", "--max-tokens", "3-4",
+                      "--progress-s", "600", "--max-seconds", "120"],
+                     soak.Hooks(tokens=count))
+    assert interrupted.is_set()
+    assert _clients_alive() == []
