@@ -48,3 +48,33 @@ def test_an_interrupted_soak_has_ended_its_clients_when_it_returns():
                      soak.Hooks(tokens=count))
     assert interrupted.is_set()
     assert _clients_alive() == []
+
+
+def _executor_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.name in ("calexec-submitter", "calexec-completion") and t.is_alive()]
+
+
+def test_an_interrupted_demo_shuts_its_executor_down(capsys):
+    """``calexec demo`` interrupted (Ctrl-C, or a SIGTERM made one), or one whose prefill or
+    decode failed (``return 1``), never shut its executor down: the device was not drained nor
+    released, its submitter and completion threads ran on until the interpreter's exit (every
+    other tool shuts down in a ``finally``). It now does on every way out."""
+    from calexec import cli
+
+    assert not _executor_threads()
+    main = threading.main_thread().ident
+
+    def interrupt_once_decoding() -> None:
+        for _ in range(3000):  # (bounded: 30 s)
+            if "runtime " in capsys.readouterr().out:  # started: the first line is printed
+                signal.pthread_kill(main, signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=interrupt_once_decoding, daemon=True)
+    watcher.start()
+    code = cli.main(["demo", "--seqs", "2", "--tokens", "40000", "--prompt-len", "4"])
+    watcher.join(5)
+    assert code == 130
+    assert _executor_threads() == []

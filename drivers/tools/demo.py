@@ -99,69 +99,73 @@ def main(argv: list[str]) -> int:
         if slow:
             cliargs.say("calexec demo", f"warm-up: a prefill and {config.golden_decode_steps} "
                                         f"decode steps of {args.decode_us / 1e6:g} s each")
-        status = ex.start()
-        if not status.ok:
-            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
-        max_seqs = getattr(ex.kv, "max_seqs", None)  # known once started
-        if max_seqs is not None and args.seqs >= max_seqs:  # ids 1..seqs
-            ex.shutdown()
-            raise cliargs.UserError(f"--seqs={args.seqs}: the device's KvManager takes sequence "
-                                    f"ids 0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the "
-                                    f"warm-up's), so at most {max_seqs - 1}")
-        golden = ex.life.expected_golden(sha)[0]
-        print(f"runtime {runtime.version}, calbin sha256 {sha[:16]}..., generation "
-              f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "
-              f"{None if golden is None else list(golden)}")
-        seqs = range(1, args.seqs + 1)
-        refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
-        state: dict[int, dict] = {}
+        try:
+            status = ex.start()
+            if not status.ok:
+                raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+            max_seqs = getattr(ex.kv, "max_seqs", None)  # known once started
+            if max_seqs is not None and args.seqs >= max_seqs:  # ids 1..seqs
+                ex.shutdown()
+                raise cliargs.UserError(f"--seqs={args.seqs}: the device's KvManager takes sequence "
+                                        f"ids 0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the "
+                                        f"warm-up's), so at most {max_seqs - 1}")
+            golden = ex.life.expected_golden(sha)[0]
+            print(f"runtime {runtime.version}, calbin sha256 {sha[:16]}..., generation "
+                  f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "
+                  f"{None if golden is None else list(golden)}")
+            seqs = range(1, args.seqs + 1)
+            refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
+            state: dict[int, dict] = {}
 
-        def run(seq: int, kind: TaskKind, tokens: list[int], past: int):
-            request = InferenceRequest(
-                seq_id=seq, kind=kind, tokens=np.asarray(tokens, dtype=np.int32),
-                positions=np.arange(past, past + len(tokens), dtype=np.int32), past_len=past,
-                deadline=time.monotonic() + REQUEST_SLACK_S + args.decode_us / 1e6)
-            if slow:
-                cliargs.say("calexec demo", f"seq {seq}: {kind.name.lower()} at position {past}")
-            return ex.enqueue(request).wait_until(request.deadline)
+            def run(seq: int, kind: TaskKind, tokens: list[int], past: int):
+                request = InferenceRequest(
+                    seq_id=seq, kind=kind, tokens=np.asarray(tokens, dtype=np.int32),
+                    positions=np.arange(past, past + len(tokens), dtype=np.int32), past_len=past,
+                    deadline=time.monotonic() + REQUEST_SLACK_S + args.decode_us / 1e6)
+                if slow:
+                    cliargs.say("calexec demo", f"seq {seq}: {kind.name.lower()} at position {past}")
+                return ex.enqueue(request).wait_until(request.deadline)
 
-        ok = True
-        for seq in seqs:  # prefill every sequence, then decode them round-robin
-            prompt = [(seq * 7919 + i * 104729) % calbin_fmt.VOCAB for i in range(args.prompt_len)]
-            result = run(seq, TaskKind.PREFILL_IDS, prompt, 0)
-            if isinstance(result, Status):
-                print(f"seq {seq}: prefill failed: {result}", file=sys.stderr)
-                return 1
-            refs[seq].run(prompt)
-            ok &= result.argmax == refs[seq].next_token()
-            state[seq] = {"prompt": len(prompt), "tokens": [result.argmax], "past": result.kv_len,
-                          "ttft_ms": result.timings.total_ms(), "tpot_ms": []}
-        # (quick runs stay as quiet as they were; a slow decode says every job already)
-        tick = cliargs.Ticker("calexec demo", "decode rounds", args.tokens - 1, last=False)
-        for done in range(args.tokens - 1):
-            if not slow:
-                tick(done)
+            ok = True
+            for seq in seqs:  # prefill every sequence, then decode them round-robin
+                prompt = [(seq * 7919 + i * 104729) % calbin_fmt.VOCAB for i in range(args.prompt_len)]
+                result = run(seq, TaskKind.PREFILL_IDS, prompt, 0)
+                if isinstance(result, Status):
+                    print(f"seq {seq}: prefill failed: {result}", file=sys.stderr)
+                    return 1
+                refs[seq].run(prompt)
+                ok &= result.argmax == refs[seq].next_token()
+                state[seq] = {"prompt": len(prompt), "tokens": [result.argmax], "past": result.kv_len,
+                              "ttft_ms": result.timings.total_ms(), "tpot_ms": []}
+            # (quick runs stay as quiet as they were; a slow decode says every job already)
+            tick = cliargs.Ticker("calexec demo", "decode rounds", args.tokens - 1, last=False)
+            for done in range(args.tokens - 1):
+                if not slow:
+                    tick(done)
+                for seq in seqs:
+                    st = state[seq]
+                    result = run(seq, TaskKind.DECODE, [st["tokens"][-1]], st["past"])
+                    if isinstance(result, Status):
+                        print(f"seq {seq}: decode failed: {result}", file=sys.stderr)
+                        return 1
+                    refs[seq].run([st["tokens"][-1]])
+                    ok &= result.argmax == refs[seq].next_token()
+                    st["tokens"].append(result.argmax)
+                    st["past"] = result.kv_len
+                    st["tpot_ms"].append(result.timings.total_ms())
             for seq in seqs:
                 st = state[seq]
-                result = run(seq, TaskKind.DECODE, [st["tokens"][-1]], st["past"])
-                if isinstance(result, Status):
-                    print(f"seq {seq}: decode failed: {result}", file=sys.stderr)
-                    return 1
-                refs[seq].run([st["tokens"][-1]])
-                ok &= result.argmax == refs[seq].next_token()
-                st["tokens"].append(result.argmax)
-                st["past"] = result.kv_len
-                st["tpot_ms"].append(result.timings.total_ms())
-        for seq in seqs:
-            st = state[seq]
-            tpot = (f"{np.median(st['tpot_ms']):.3f} ms" if st["tpot_ms"]
-                    else "- (one token: no decode step)")  # (not "nan ms")
-            print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
-                  f"tpot {tpot}, tokens {st['tokens']}")
-        snapshot = _settled_snapshot(ex)
-        emu = emulator_of(ex.device)
-        counters = emu.counters() if emu else {}
-        status = ex.shutdown()
+                tpot = (f"{np.median(st['tpot_ms']):.3f} ms" if st["tpot_ms"]
+                        else "- (one token: no decode step)")  # (not "nan ms")
+                print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
+                      f"tpot {tpot}, tokens {st['tokens']}")
+            snapshot = _settled_snapshot(ex)
+            emu = emulator_of(ex.device)
+            counters = emu.counters() if emu else {}
+            status = ex.shutdown()
+        finally:  # (an interrupt, a job that failed: the executor ran on, its device never
+            if not ex.lifecycle.final:  # shut down, its threads left to the exit)
+                ex.shutdown()
     print(f"oracle match: {'yes' if ok else 'NO'}; executor: succeeded={snapshot['succeeded']} "
           f"failed={snapshot['failed']} slots={snapshot['slots']}; shutdown {status}, "
           f"lifecycle {ex.state}; device: {counters}")
