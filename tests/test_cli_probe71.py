@@ -78,3 +78,20 @@ def test_an_interrupted_demo_shuts_its_executor_down(capsys):
     watcher.join(5)
     assert code == 130
     assert _executor_threads() == []
+
+
+def test_a_conform_experiment_timeout_does_not_count_its_child_starting():
+    """``calexec conform --timeout 0.5`` (or the default on a busy CI host) had every
+    experiment killed while its spawn child was still starting its interpreter and imports,
+    each reported ``experiment did not finish within 0.5 s (child killed): the runtime hung``:
+    the library was blamed for the host. The timeout now starts once the child runs the
+    experiment; an experiment that does not end within it is still killed."""
+    from calexec.drivers.tools.conform import isolate
+
+    # (a spawn child takes longer than this to start anywhere: the timeout counted it)
+    quick = isolate.run_isolated("textwrap:dedent", {"text": "  x"}, 0.01)
+    assert (quick.status, quick.result) == (isolate.OK, "x"), quick
+    # (minutes of work: killed at its timeout, as a hung runtime's call is)
+    hung = isolate.run_isolated("hashlib:pbkdf2_hmac", {
+        "hash_name": "sha256", "password": b"x", "salt": b"y", "iterations": 2 ** 31 - 1}, 0.2)
+    assert hung.status == isolate.TIMEOUT and "the runtime hung" in hung.reason, hung

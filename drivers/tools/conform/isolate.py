@@ -21,6 +21,12 @@ from typing import Any
 import attrs
 
 OK, ERROR, TIMEOUT, SIGNALLED, EXITED = "ok", "error", "timeout", "signal", "exit"
+#: the child's first message, once its interpreter runs and the experiment's module is imported
+STARTED = "started"
+#: how long a child may take to start (a spawn: a fresh interpreter and its imports), not
+#: counted in the experiment's timeout: until stop 71 it was, and `conform --timeout 0.5` (or a
+#: busy CI host) had every experiment killed while its child started, "the runtime hung"
+START_BOUND_S = 120.0
 
 
 @attrs.frozen
@@ -46,7 +52,12 @@ def _child(conn, module: str, func: str, kwargs: dict) -> None:
     ERROR sent for it, were two tracebacks on the terminal, after the shell's prompt."""
     try:
         try:
-            message = (OK, getattr(importlib.import_module(module), func)(**kwargs))
+            experiment = getattr(importlib.import_module(module), func)
+            try:
+                conn.send((STARTED, None))  # (the experiment's timeout starts here)
+            except (BrokenPipeError, ConnectionResetError):
+                return  # (the parent is gone: no one to tell)
+            message = (OK, experiment(**kwargs))
         except Exception as exc:  # noqa: BLE001 - any failure of the experiment is reported, not raised
             message = _failure(exc)
         try:
@@ -91,7 +102,9 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
                  on_start: Callable[[int], None] | None = None) -> Outcome:
     """Call ``module:function(**kwargs)`` in a spawn child; wait at most timeout_s.
 
-    ``on_start(pid)`` is called once the child runs (tests use it to kill the child)."""
+    ``on_start(pid)`` is called once the child runs the experiment (tests use it to kill the
+    child); ``timeout_s`` counts from then, the child's start (a fresh interpreter and its
+    imports) bounded by :data:`START_BOUND_S` on its own."""
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     module, _, func = target.partition(":")
@@ -102,13 +115,17 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
     with _sigint_ignored_by_children():
         proc.start()
     child.close()
-    message, got = None, False
+    message, got, running = None, False, False
     try:
-        if on_start is not None and proc.pid is not None:  # (started: it has one)
-            on_start(proc.pid)
         try:
-            got = parent.poll(timeout_s)
+            got = parent.poll(max(START_BOUND_S, timeout_s))  # (EOF too: the child died)
             message = parent.recv() if got else None
+            if isinstance(message, tuple) and message[:1] == (STARTED,):
+                running, message = True, None
+                if on_start is not None and proc.pid is not None:  # (started: it has one)
+                    on_start(proc.pid)
+                got = parent.poll(timeout_s)
+                message = parent.recv() if got else None
         except (EOFError, OSError):
             message = None  # the child died before sending a result
     except BaseException:  # a Ctrl-C (the child ignores it): the child goes with the parent
@@ -120,6 +137,10 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
         if not got:
             proc.kill()
             proc.join(5)
+            if not running:
+                return Outcome(TIMEOUT, None, "the experiment's child did not start within "
+                                              f"{max(START_BOUND_S, timeout_s):g} s (child "
+                                              "killed): the host is too busy", seconds)
             # (the timeout as given: 0.04 s was said "within 0.0 s")
             return Outcome(TIMEOUT, None, f"experiment did not finish within {round(timeout_s, 6)} s "
                                           f"(child killed): the runtime hung", seconds)

@@ -164,7 +164,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
     p.add_argument("--only", action="append", choices=list(EXPERIMENTS), help="run only this experiment (repeat)")
     p.add_argument("--timeout", type=cliargs.seconds,
-                   help="seconds per experiment child (default 30 quick / 120)")
+                   help="seconds per experiment, from its child's start of it "
+                        "(default 30 quick / 120)")
     p.set_defaults(lib_flag="--lib")
     args = p.parse_args(argv[1:])
     flag = args.lib_flag  # (as typed: `--runtime-lib X`, as every other command, was `--lib=X`)
