@@ -173,7 +173,7 @@ _LEAVES_A_SERVER = (
 
 def test_what_a_command_left_running_is_asked_to_end_before_it_is_killed(tmp_path):
     """Found at stop 71 (the review probe, recommended; done by the lead): ``charts cover``'s
-    and ``charts mutate``'s command runs (``subproc.call_group``, ``charts_mutate._run``)
+    and ``charts mutate``'s command runs (``subproc.call_group`` and the mutation runs)
     ended what the command left in its process group when it exited with SIGKILL at once: a
     server a test started and never stopped had no chance to clean up (its socket, its pid
     file). It gets SIGTERM first, SIGKILL only if still there ``TERM_GRACE_S`` later."""
