@@ -204,7 +204,18 @@ def test_a_replica_whose_constructor_fails_past_the_executor_start_shuts_it_down
     del raised  # its traceback holds the replica
     gc.collect()
     assert stopped == [True]  # the hook ran, once, and had nothing to drain
-    left = [t.name for t in starts.ours() if t.is_alive() and t.name.startswith("calexec-")]
+    # the executor's threads are joined by its shutdown; the app's worker pools' keepers end
+    # once their pools are collected (``threads.WorkerPool``), on their own threads: waited
+    # for, bounded (an immediate look could find a keeper woken but not yet scheduled)
+    import time
+
+    until = time.monotonic() + 30.0
+    while True:
+        left = [t.name for t in starts.ours()
+                if t.is_alive() and t.name.startswith("calexec-")]
+        if not left or time.monotonic() > until:
+            break
+        time.sleep(0.01)
     assert left == [], f"the executor's threads still run: {left}"
     assert list(tmp_path.glob("calexec-replica-*")) == []
 
