@@ -23,6 +23,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import signal
 import socket
 import threading
@@ -253,8 +254,26 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     head_with_get(app)
     hot_routes_first(app)
     lean_endpoints(app)
+    whole_paths(app.router.routes)
 
     return app
+
+
+def whole_paths(routes: list[Any]) -> None:
+    """Make each of ``routes`` (and of the apps mounted among them) match a path only whole.
+    Starlette's route patterns end in ``$``, which Python's ``re`` also matches before a
+    final line feed, so ``/health%0A`` (decoded ``/health\\n``) was served as ``/health``,
+    ``/v1/models/<id>%0A`` as the id without its line feed, and a mount's path lost it: a
+    path no route has reached the route past a proxy in front that filters exact paths.
+    ``\\Z`` ends a match at the end of the path alone; such a path is now the 404 of a path
+    no route serves, an id ending in a line feed a model id no model has (``tests/test_server_probe72.py``)."""
+    for route in routes:
+        regex = getattr(route, "path_regex", None)
+        if isinstance(regex, re.Pattern) and regex.pattern.endswith("$"):
+            # (and a ``{name:path}`` parameter, ``.*``, takes a line feed as any other
+            # character: ``/v1/models/a%0Ab`` is a model id no model has, as in a body)
+            route.path_regex = re.compile(regex.pattern[:-1] + r"\Z", regex.flags | re.DOTALL)
+        whole_paths(list(getattr(route, "routes", None) or []))
 
 
 #: the routes nearly every request takes: tried first (:func:`hot_routes_first`)

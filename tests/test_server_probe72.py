@@ -1,0 +1,105 @@
+"""Adversarial HTTP input found by probing a loopback ``calexec serve`` at stop 72 (branch
+probe-http): a path ending in an encoded line feed routed as the route, a Responses
+``tool_choice`` of the wrong JSON type named by pydantic's union branch, and what a Responses
+``tool_choice`` without ``tools`` is told. Real executor on the bundled emulator; loopback
+only; every wait bounded."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from urllib.parse import urlsplit
+
+import pytest
+
+from calexec.drivers.serving.service import ServerConfig
+from test_server_support import started_executor
+
+
+def _answers(server_url: str, asked: list[tuple[str, str, bytes | None]],
+             headers: dict[str, str] | None = None) -> list[tuple[int, dict | None]]:
+    """Each ``(method, path, body)`` of ``asked`` sent on its own connection as written (the
+    path's escapes as the client wrote them): its status and JSON body (None when it has no
+    body)."""
+    where = urlsplit(server_url)
+    out = []
+    for method, path, body in asked:
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+        try:
+            conn.request(method, path, body=body,
+                         headers={"Content-Type": "application/json", **(headers or {})})
+            response = conn.getresponse()
+            data = response.read()
+            out.append((response.status, json.loads(data) if data else None))
+        finally:
+            conn.close()
+    return out
+
+
+def test_a_path_ending_in_an_encoded_line_feed_is_no_route(tmp_path):
+    """``GET /health%0A``, ``POST /v1/completions%0A``, ``GET /v1/models/<id>%0A`` and
+    ``GET /debug/statecharts/live.json%0A`` were served as the route without the line feed:
+    Starlette's route patterns end in ``$``, which Python's ``re`` matches before a final
+    ``\\n``, so a path no route has reached every route (a proxy in front filtering the
+    exact path let it through, as ``/admin%2Freload`` did until stop 60), and
+    ``/v1/models/<id>%0A`` answered 200 for an id with a line feed that a body's ``model``
+    is refused for (404). Such a path is now the 404 of a path no route serves, and such an
+    id one no model has (``model_not_found``)."""
+    from calexec.drivers.serving.server import create_app
+    from test_server_support import MODEL, LiveServer
+
+    executor = started_executor(tmp_path)
+    completion = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    try:
+        with LiveServer(create_app(executor, ServerConfig())) as server:
+            asked = [("GET", "/health%0A", None), ("GET", "/health%0a", None),
+                     ("POST", "/v1/completions%0A", completion),
+                     ("GET", "/debug/statecharts/live.json%0A", None),
+                     ("POST", "/admin/drain%0A", None)]
+            asked_ids = [("GET", f"/v1/models/{MODEL}%0A", None),
+                         ("GET", "/v1/models/a%0Ab", None)]
+            got = _answers(server.url, asked)
+            ids = _answers(server.url, asked_ids)
+            # the routes themselves are served as before
+            plain = _answers(server.url, [("GET", "/health", None),
+                                          ("GET", f"/v1/models/{MODEL}", None)])
+    finally:
+        executor.shutdown(5.0)
+    for (method, path, _), (status, body) in zip(asked, got):
+        assert status == 404, (method, path, status, body)
+        assert body is not None and body["error"]["code"] == "not_found", (path, body)
+        assert "no such route" in body["error"]["message"], (path, body)
+    assert plain[0][0] == 200 and plain[1][0] == 200, plain
+    # an id holding a line feed, at its end or inside it (the 404 of no route until now),
+    # is an id no model has, as a body's model is
+    for (_, path, _), (status, body) in zip(asked_ids, ids):
+        assert status == 404 and body["error"]["code"] == "model_not_found", (path, body)
+        assert body["error"]["param"] == "model", (path, body)
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
+@pytest.mark.parametrize("choice", [5, 1.5, True, ["auto"]])
+def test_a_responses_tool_choice_of_the_wrong_type_names_the_field(tmp_path, route, choice):
+    """``tool_choice: 5`` (or a boolean, a list) on ``/v1/responses`` was refused
+    ``tool_choice.str=5: Input should be a valid string`` with ``param: tool_choice.str``:
+    ``str`` is pydantic's name of a branch of the field's type (a string or an object), no
+    field of the body, which docs/server.md "Errors" says a ``param`` never is. The field is
+    named, and every form it takes."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    body = {"input": "hi", "tool_choice": choice,
+            "tools": [{"type": "function", "name": "f"}]}
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post(route, json=body)
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice", error
+    assert error["message"].startswith(f"tool_choice={json.dumps(choice)}: must be one of "
+                                       "str, "), error
+    assert "tool_choice.str" not in error["message"], error
