@@ -475,15 +475,23 @@ def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
                 keyed = _maps(annotation)
         else:
             tags.append(str(item))
+            # a union's object form (``dict[str,any]``): the item after it is a key in it
+            keyed = str(item).startswith("dict[")
     return path, tags
 
 
 def _maps(annotation: Any) -> bool:
-    """The annotation is an object of values (``dict[str, float] | None``; a union's branch,
-    never a list's item)."""
+    """The annotation is an object of values (``dict[str, float] | None``), so pydantic's
+    next location item is a key in it. Not a union of several forms, one of them an object
+    (a Responses ``tool_choice``, ``str | dict[str, Any] | None``): pydantic names the form
+    first (``str``), which was taken for a key, so ``tool_choice: 5`` was refused as
+    ``tool_choice.str=5`` with ``param: tool_choice.str`` (:func:`_field_path` reads a key
+    after the object form's name)."""
     origin = typing.get_origin(annotation)
-    return origin is dict or (origin in (typing.Union, types.UnionType)
-                              and any(_maps(arg) for arg in typing.get_args(annotation)))
+    if origin in (typing.Union, types.UnionType):
+        forms = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return len(forms) == 1 and _maps(forms[0])
+    return origin is dict
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
