@@ -103,3 +103,33 @@ def test_a_responses_tool_choice_of_the_wrong_type_names_the_field(tmp_path, rou
     assert error["message"].startswith(f"tool_choice={json.dumps(choice)}: must be one of "
                                        "str, "), error
     assert "tool_choice.str" not in error["message"], error
+
+
+@pytest.mark.parametrize("route", ["/v1/responses", "/v1/responses/input_tokens"])
+@pytest.mark.parametrize("tools", [None, []])
+def test_a_responses_tool_choice_without_tools_is_shown_as_sent(tmp_path, route, tools):
+    """``tool_choice: {"type": "function", "name": "f"}`` without ``tools`` on
+    ``/v1/responses`` was refused ``tool_choice={"type": "function", "function": {"name":
+    "f"}}: needs tools``: the chat form the body was translated into, which the client never
+    sent (docs/server.md: a Responses error's message names what the client sent, since stop
+    63). It now shows the value as sent."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    choice = {"type": "function", "name": "f"}
+    body = {"input": "hi", "tool_choice": choice,
+            **({} if tools is None else {"tools": tools})}
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post(route, json=body)
+            required = client.post(route, json={"input": "hi", "tool_choice": "required"})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice", error
+    assert error["message"] == f"tool_choice={json.dumps(choice)}: needs tools", error
+    assert required.status_code == 400, required.text[:300]
+    assert required.json()["error"]["message"] == 'tool_choice="required": needs tools'
