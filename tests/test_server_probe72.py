@@ -133,3 +133,39 @@ def test_a_responses_tool_choice_without_tools_is_shown_as_sent(tmp_path, route,
     assert error["message"] == f"tool_choice={json.dumps(choice)}: needs tools", error
     assert required.status_code == 400, required.text[:300]
     assert required.json()["error"]["message"] == 'tool_choice="required": needs tools'
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions",
+     {"tools": [{"type": "function", "function": {"name": "get_weather\n"}}],
+      "tool_choice": "required"}, "tools.0.function.name"),
+    ("/v1/chat/completions",
+     {"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "answer\n", "schema": {"type": "object"}}}},
+     "response_format.json_schema.name"),
+    ("/v1/responses", {"tools": [{"type": "function", "name": "get_weather\n"}]},
+     "tools.0.name"),
+])
+def test_a_tool_or_schema_name_ending_in_a_line_feed_is_refused(tmp_path, route, body, param):
+    """A function tool named ``"get_weather\\n"`` (a name read from a file with its line end)
+    was served: the name check (``1 to 64 letters, digits, _ or -``, grammar.FUNCTION_NAME)
+    ended in ``$``, which Python's ``re`` matches before a final line feed, so the name went
+    into the prompt and the tool-call grammar with its line feed (a ``tool_choice:
+    "required"`` answer came back with no tool call, cut at max_tokens). The same held for a
+    ``json_schema``'s ``name``. Both are refused, naming the field."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    asked = ({"input": "hi", "max_output_tokens": 4} if route == "/v1/responses" else
+             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post(route, json={**asked, **body})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert "must be a string of 1 to 64 letters, digits, _ or -" in error["message"], error

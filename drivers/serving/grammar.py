@@ -49,8 +49,9 @@ INSTALL = "pip install 'calexec[server]' (llguidance>=1.9,<2)"
 #: Qwen3's tool call delimiters (its chat template and its output)
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
-#: OpenAI's function names
-FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: OpenAI's function names (whole: ``fullmatch``, as ``$`` also matched before a final line
+#: feed, so ``"get_weather\n"`` was taken until stop 72)
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: how JSON is written under a grammar: compact, no free whitespace (a model could otherwise
 #: add whitespace for ever), as llguidance's defaults write separators
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
@@ -1575,7 +1576,7 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
         raise GrammarError("response_format.json_schema", "response_format.json_schema: must "
                                                           "be an object with name and schema")
     name = spec.get("name")
-    if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
         raise GrammarError("response_format.json_schema.name",
                            f"response_format.json_schema.name={shown(name, 80)}: must be a string of "
                            "1 to 64 letters, digits, _ or -")
@@ -1651,7 +1652,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
             field = f"{where}.function.{sorted(unknown)[0]}"
             raise GrammarError(field, f"{field}: unknown field")
         name = fn.get("name")
-        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise GrammarError(f"{where}.function.name",
                                f"{where}.function.name={shown(name, 80)}: must be a string of 1 to "
                                "64 letters, digits, _ or -")
