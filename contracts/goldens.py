@@ -141,7 +141,7 @@ def load_goldens(path: str | Path) -> Goldens:
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise GoldenFileError(file, f"{where}.{key}", value, f"must be a {kind.__name__}")
         sha = entry["calbin_sha256"]
-        if not SHA256_RE.match(sha) or sha != sha.lower():
+        if not SHA256_RE.fullmatch(sha) or sha != sha.lower():
             raise GoldenFileError(file, f"{where}.calbin_sha256", sha,
                                   "must be 64 lower-case hex digits")
         steps = entry["decode_steps"]

@@ -198,7 +198,7 @@ class Manifest:
         ``ignored_models`` (``model_unlisted``, every such name in the message, §10.2).
         """
         sha = calbin_sha256.lower() if isinstance(calbin_sha256, str) else calbin_sha256
-        if not isinstance(sha, str) or not SHA256_RE.match(sha):
+        if not isinstance(sha, str) or not SHA256_RE.fullmatch(sha):
             return Status.artifact("bad_sha256", f"calbin_sha256={calbin_sha256!r}: must be 64 hex digits")
         if self.calbin_sha256 is not None and sha != self.calbin_sha256:
             return Status.artifact("sha256_mismatch",
@@ -256,7 +256,7 @@ def load_manifest(path: str | Path) -> Manifest:
         if table[key] <= 0:
             raise ManifestError(file, key, table[key], "must be > 0")
     sha = table.get("calbin_sha256")
-    if sha is not None and not SHA256_RE.match(sha):
+    if sha is not None and not SHA256_RE.fullmatch(sha):
         raise ManifestError(file, "calbin_sha256", sha, "must be 64 lower-case hex digits")
     submodels: dict[TaskKind, SubmodelContract] = {}
     names: dict[str, int] = {}

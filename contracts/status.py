@@ -57,11 +57,11 @@ class Phase(enum.Enum):
     GOLDEN = "golden"
 
 
-_CODE_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
+_CODE_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)+")
 
 
 def _check_code(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
-    if value != "ok" and not _CODE_RE.match(value):
+    if value != "ok" and not _CODE_RE.fullmatch(value):
         raise ValueError(f"Status.code={value!r}: must be 'ok' or '<domain>.<reason>' in [a-z0-9_]")
 
 

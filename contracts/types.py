@@ -197,7 +197,9 @@ def validate_submodels(submodels: Mapping[TaskKind, SubmodelContract], vocab_siz
                              f"last dimension must equal hidden_size={hidden_size}")
 
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+#: a sha256 hex digest, matched whole (``fullmatch``: ``$`` also matched before a final line
+#: feed, so a pin ending in one was taken and then never equalled a digest; until stop 72)
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def _freeze_submodels(value: Mapping[TaskKind, SubmodelContract] | Mapping[int, SubmodelContract]
@@ -218,7 +220,7 @@ class ModelGeneration:
 
     @calbin_sha256.validator
     def _check_sha(self, attribute: attrs.Attribute[str], value: object) -> None:
-        if not isinstance(value, str) or not SHA256_RE.match(value):
+        if not isinstance(value, str) or not SHA256_RE.fullmatch(value):
             raise FieldError("ModelGeneration", "calbin_sha256", value, "must be 64 lower-case hex digits")
 
     def __attrs_post_init__(self) -> None:

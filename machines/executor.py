@@ -166,7 +166,7 @@ def _goldens(instance: Any, attribute: Any, value: Any) -> None:
                 map(fields.is_token_id, tokens)):
             raise ValueError(f"ExecutorConfig.goldens[{sha!r}]={tokens!r}: must map a calbin "
                              "sha256 (str) to a tuple of token ids (ints >= 0)")
-        if not SHA256_RE.match(sha):  # the lifecycle looks the calbin's hex digest up: an
+        if not SHA256_RE.fullmatch(sha):  # the lifecycle looks the calbin's hex digest up: an
             # upper-case, prefixed or short key never matches, the override silently unused
             raise ValueError(f"ExecutorConfig.goldens[{sha!r}]: a calbin sha256 is 64 "
                              "lower-case hex digits (as `sha256sum` prints it and the goldens "

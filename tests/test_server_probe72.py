@@ -169,3 +169,31 @@ def test_a_tool_or_schema_name_ending_in_a_line_feed_is_refused(tmp_path, route,
     error = r.json()["error"]
     assert error["param"] == param, error
     assert "must be a string of 1 to 64 letters, digits, _ or -" in error["message"], error
+
+
+def test_a_manifest_sha256_pin_ending_in_a_line_feed_is_refused_at_load(tmp_path):
+    """``calbin_sha256 = "<64 hex digits>\\n"`` in a manifest (the output of ``sha256sum ...
+    | cut -d' ' -f1`` pasted with its line end) was taken by the check "must be 64
+    lower-case hex digits" (``SHA256_RE``'s ``$`` matched before the final line feed); the
+    pin then never equalled a calbin's digest, so ``calexec serve --manifest`` and every
+    reload refused the right calbin with ``calbin_sha256=<hex> but ... pins <hex>`` (the
+    same digits twice). The manifest is refused at load, naming the key."""
+    from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
+    from calexec.contracts.types import SHA256_RE
+
+    text = open(default_manifest_path(), encoding="utf-8").read()
+    digest = "ab" * 32
+    path = tmp_path / "m.toml"
+    path.write_text(text.replace('calrt_version = "0.7.6"\n',
+                                 f'calrt_version = "0.7.6"\ncalbin_sha256 = "{digest}\\n"\n'),
+                    encoding="utf-8")
+    with pytest.raises(ManifestError) as refused:
+        load_manifest(str(path))
+    assert "calbin_sha256" in str(refused.value), refused.value
+    assert "64 lower-case hex digits" in str(refused.value), refused.value
+    assert SHA256_RE.fullmatch(digest) and not SHA256_RE.fullmatch(digest + "\n")
+    # the same pin without the line feed loads
+    path.write_text(text.replace('calrt_version = "0.7.6"\n',
+                                 f'calrt_version = "0.7.6"\ncalbin_sha256 = "{digest}"\n'),
+                    encoding="utf-8")
+    assert load_manifest(str(path)).calbin_sha256 == digest
