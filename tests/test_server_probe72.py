@@ -197,3 +197,33 @@ def test_a_manifest_sha256_pin_ending_in_a_line_feed_is_refused_at_load(tmp_path
                                  f'calrt_version = "0.7.6"\ncalbin_sha256 = "{digest}"\n'),
                     encoding="utf-8")
     assert load_manifest(str(path)).calbin_sha256 == digest
+
+
+@pytest.mark.parametrize("given", ["no", 0, [], {}])
+def test_a_responses_include_obfuscation_of_the_wrong_type_is_refused(tmp_path, given):
+    """``stream_options: {"include_obfuscation": "no"}`` on a streamed ``/v1/responses`` was
+    served, the value taken whatever it was, where docs/server.md says a ``stream_options``
+    option of the wrong type is a 400 naming it and chat refuses
+    ``stream_options.include_usage: "yes"`` so. It is refused naming the option; a boolean
+    (or null) is served as before."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    body = {"input": "hi", "max_output_tokens": 1, "stream": True}
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post("/v1/responses",
+                            json={**body, "stream_options": {"include_obfuscation": given}})
+            served = [client.post("/v1/responses",
+                                  json={**body, "stream_options": {"include_obfuscation": ok}})
+                      for ok in (True, False, None)]
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "stream_options.include_obfuscation", error
+    assert error["message"].startswith(
+        f"stream_options.include_obfuscation={json.dumps(given)}: must be a boolean"), error
+    assert [s.status_code for s in served] == [200, 200, 200], [s.text[:200] for s in served]

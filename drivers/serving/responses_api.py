@@ -227,6 +227,13 @@ def unsupported(body: ResponsesRequest) -> None:
             key = sorted(unknown)[0][:80]
             raise refuse(f"stream_options.{key}: unknown option (only include_obfuscation)",
                          f"stream_options.{key}")
+        obfuscation = body.stream_options.get("include_obfuscation")
+        if obfuscation is not None and not isinstance(obfuscation, bool):
+            # (taken whatever it was: a "false" string read as nothing said, where chat
+            # refuses stream_options.include_usage of the wrong type)
+            raise refuse(f"stream_options.include_obfuscation={shown(obfuscation, 80)}: must "
+                         "be a boolean, true or false (no obfuscation is added either way)",
+                         "stream_options.include_obfuscation")
 
 
 # ---- request: Responses -> chat ----------------------------------------------------------------
