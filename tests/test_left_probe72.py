@@ -134,3 +134,47 @@ def test_an_operator_call_waiting_for_its_turn_runs_once_one_is_free(tmp_path, m
         for thread in threads:
             thread.join(WAIT_S)
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": [5, 6, 7], "max_tokens": 3, "n": 2},
+    {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3},
+    {"prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "stream": True},
+], ids=["n2", "prompt_list", "n2_stream"])
+def test_the_later_choices_of_an_admitted_request_wait_past_max_waiting(tmp_path, body):
+    """``max_waiting`` 0 (never wait) and one sequence id free of four (three held through
+    the service's pool): a request of two choices is admitted, its first choice takes the id
+    and its second waits for it, whatever ``max_waiting`` says: a request admitted is served
+    whole. Until stop 72 the second choice met ``max_waiting`` as a new request would and
+    the client got 429 ``kv.full`` for a request whose first choice had already run."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(max_sequences=4, max_waiting=0))
+    service = app.state.service
+    held = [service.sequences.acquire() for _ in range(3)]
+    try:
+        with LiveServer(app) as server:
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            if body.get("stream"):
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text
+                assert '"error"' not in r.text, r.text
+                finished = r.text.count('"finish_reason":"length"')
+            else:
+                choices = r.json()["choices"]
+                finished = sum(c["finish_reason"] == "length" for c in choices)
+                assert [len(c["token_ids"]) for c in choices] == [3, 3], choices
+            assert finished == 2, r.text
+            # a request that is not admitted is still refused at once (0: nobody waits)
+            alone = httpx.post(f"{server.url}/v1/completions",
+                               json={"prompt": [5], "max_tokens": 1}, timeout=WAIT_S)
+            assert alone.status_code == 200, alone.text  # (an id is free again)
+            held.append(service.sequences.acquire())
+            refused = httpx.post(f"{server.url}/v1/completions",
+                                 json={"prompt": [5], "max_tokens": 1}, timeout=WAIT_S)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "kv.full"
+    finally:
+        for seq_id in held:
+            if seq_id is not None:
+                service.sequences.release(seq_id)
+        executor.shutdown(5.0)
