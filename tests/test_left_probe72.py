@@ -178,3 +178,125 @@ def test_the_later_choices_of_an_admitted_request_wait_past_max_waiting(tmp_path
             if seq_id is not None:
                 service.sequences.release(seq_id)
         executor.shutdown(5.0)
+
+
+# ---- tool_choice: allowed_tools -------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+
+
+def allowed(mode: str, *names: str) -> dict:
+    """Chat's ``tool_choice`` allowing the tools ``names`` (OpenAI's shape)."""
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    pytest.importorskip("llguidance")
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with LiveServer(create_app(executor, ServerConfig())) as server:
+            yield server
+    finally:
+        executor.shutdown(5.0)
+
+
+def _chat(server, **fields) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json={
+        "model": "calexec-qwen3-synthetic", "messages": [{"role": "user", "content": "answer"}],
+        "max_tokens": 80, "parallel_tool_calls": False, "tools": [WEATHER, CLOCK], **fields},
+        timeout=60)
+
+
+def test_allowed_tools_required_calls_only_the_listed_tool(tool_server):
+    """``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode": "required",
+    "tools": [get_time]}}`` with both tools declared: every choice calls ``get_time`` (the
+    grammar offers no other), and the prompt is the one of ``tool_choice: "required"`` (the
+    template still lists both tools: what ``allowed_tools`` keeps, the prompt and its cache).
+    Until stop 72 it was a 400 ``tool_choice=...: must be "none", "auto", "required" or
+    {"type": "function", ...}``."""
+    r = _chat(tool_server, tool_choice=allowed("required", "get_time"), n=4, temperature=1.0,
+              seed=11)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    names = [call["function"]["name"] for choice in answer["choices"]
+             for call in choice["message"]["tool_calls"]]
+    assert len(names) == 4 and set(names) == {"get_time"}, answer
+    assert all(c["finish_reason"] == "tool_calls" for c in answer["choices"]), answer
+    plain = _chat(tool_server, tool_choice="required", max_tokens=1)
+    assert plain.status_code == 200, plain.text
+    assert answer["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+
+
+def test_allowed_tools_auto_calls_no_other_tool(tool_server):
+    """``mode: "auto"``: text, or calls of the listed tools only."""
+    r = _chat(tool_server, tool_choice=allowed("auto", "get_weather"), n=4, temperature=1.0,
+              seed=3)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        for call in choice["message"].get("tool_calls") or []:
+            assert call["function"]["name"] == "get_weather", choice
+
+
+def test_allowed_tools_through_the_sdk_and_the_responses_api(tool_server):
+    """The official SDK sends chat's shape as it is; ``/v1/responses`` takes the Responses'
+    (``{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}]}``)."""
+    import openai
+    client = openai.OpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    done = client.chat.completions.create(
+        model="calexec-qwen3-synthetic", messages=[{"role": "user", "content": "answer"}],
+        tools=[WEATHER, CLOCK], tool_choice=allowed("required", "get_weather"),
+        parallel_tool_calls=False, max_tokens=80)
+    assert [c.function.name for c in done.choices[0].message.tool_calls] == ["get_weather"]
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={
+        "model": "calexec-qwen3-synthetic", "input": "answer", "tools": flat,
+        "parallel_tool_calls": False, "max_output_tokens": 80,
+        "tool_choice": {"type": "allowed_tools", "mode": "required",
+                        "tools": [{"type": "function", "name": "get_time"}]}}, timeout=60)
+    assert r.status_code == 200, r.text
+    calls = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    assert [c["name"] for c in calls] == ["get_time"], r.json()
+
+
+@pytest.mark.parametrize("choice,param,words", [
+    (allowed("required", "nope"), "tool_choice.allowed_tools.tools.0.function.name",
+     ['"nope"', "not one of the tools", "get_weather", "get_time"]),
+    (allowed("required", "get_time", "get_time"),
+     "tool_choice.allowed_tools.tools.1.function.name", ["listed twice"]),
+    (allowed("sometimes", "get_time"), "tool_choice.allowed_tools.mode",
+     ['"sometimes"', '"auto" or "required"']),
+    (allowed("auto"), "tool_choice.allowed_tools.tools", ["one tool or more"]),
+    ({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "custom", "custom": {"name": "x"}}]}},
+     "tool_choice.allowed_tools.tools.0.type", ['"custom"', "only \"function\""]),
+    ({"type": "allowed_tools"}, "tool_choice.allowed_tools", ["must be an object"]),
+])
+def test_allowed_tools_refusals_name_the_field(tool_server, choice, param, words):
+    r = _chat(tool_server, tool_choice=choice)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+
+
+def test_allowed_tools_refusals_on_the_responses_api_name_its_fields(tool_server):
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, CLOCK)]
+    r = httpx.post(f"{tool_server.url}/v1/responses", json={
+        "model": "calexec-qwen3-synthetic", "input": "answer", "tools": flat,
+        "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                        "tools": [{"type": "function", "name": "nope"}]}}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice.tools.0.name", error
+    assert error["message"].startswith('tool_choice.tools.0.name="nope": not one of the tools'), \
+        error
