@@ -300,3 +300,62 @@ def test_allowed_tools_refusals_on_the_responses_api_name_its_fields(tool_server
     assert error["param"] == "tool_choice.tools.0.name", error
     assert error["message"].startswith('tool_choice.tools.0.name="nope": not one of the tools'), \
         error
+
+
+# ---- the fleet ingress's 413 ----------------------------------------------------------------
+def _ingress_answer(path: str, body: bytes, limit: int) -> tuple[int, dict]:
+    """The status and JSON body the fleet ingress answers ``body`` to ``path`` with, its
+    ``max_body_bytes`` ``limit`` (no replica is called: the answer is the ingress's)."""
+    import asyncio
+    import json
+
+    from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+
+    def call(request):
+        raise AssertionError(f"a replica was called for {path}")
+    ingress = FleetIngress(call, FailoverSettings(max_body_bytes=limit))
+    sent: list[dict] = []
+
+    async def go() -> None:
+        scope = {"type": "http", "method": "POST", "path": path, "raw_path": path.encode(),
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "http_version": "1.1"}
+        given = [False]
+
+        async def receive():
+            if not given[0]:
+                given[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+        await asyncio.wait_for(ingress(scope, receive, send), timeout=WAIT_S)
+    asyncio.run(go())
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(payload)
+
+
+def test_the_fleet_ingress_413_gives_the_fleets_advice_and_the_admin_routes_words():
+    """A body over the fleet's ``max_body_bytes``: an API route's 413 tells the client the
+    fleet's flag (``calexec serve --ray --max-body-bytes``: the ingress's limit and every
+    replica's), an admin route's what the route takes, as a single server's admin 413 says
+    since stop 71. Until stop 72 every route was told the single server's "start the server
+    with a larger --max-body-bytes", a reload's calbin sent as its bytes included."""
+    big = b'{"prompt": "' + b"x" * 300 + b'"}'
+    status, body = _ingress_answer("/v1/completions", big, 128)
+    message = body["error"]["message"]
+    assert status == 413, body
+    assert message.startswith("request body exceeds max_body_bytes=128: send a smaller body"), \
+        message
+    assert "start the fleet with a larger --max-body-bytes (calexec serve --ray" in message
+    assert "start the server" not in message
+    status, body = _ingress_answer("/admin/reload", b'{"calbin": "' + b"\\u0000" * 100 + b'"}',
+                                   128)
+    message = body["error"]["message"]
+    assert status == 413, body
+    assert "/admin/reload takes {\"calbin\": PATH}, the path of a calbin file" in message, message
+    assert "fewer or shorter prompts" not in message
+    status, body = _ingress_answer("/admin/drain", b"x" * 300, 128)
+    assert status == 413 and "/admin/drain takes no body" in body["error"]["message"], body
