@@ -122,7 +122,7 @@ from calexec.drivers.fleet.edge import (
     wait_disconnect,
     with_request_id,
 )
-from calexec.drivers.serving import error_bodies, wire
+from calexec.drivers.serving import admin, error_bodies, wire
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 
 log = logging.getLogger("calexec.fleet_ingress")
@@ -153,6 +153,24 @@ SEQUENCE_TAIL = 128
 #: why a response of ``RERUN_ROUTES`` that started is not failed over (said to the client)
 NOT_RESUMED = ("a /v1/responses answer that started is not continued on a sibling (a sibling "
                "would send its events again from response.created); send it again")
+
+
+#: what the ingress's 413 of a body over ``max_body_bytes`` tells a client of the fleet to do,
+#: per route: an admin route's body is small by its nature (the replica's own words); any
+#: other route's limit is the fleet's, which ``calexec serve --ray --max-body-bytes`` sets for
+#: the ingress and every replica (until stop 72 the single server's advice, "start the server
+#: with a larger --max-body-bytes", and the API's for a reload's calbin sent as its bytes)
+FLEET_TAKES = {"/admin/reload": admin.RELOAD_TAKES, "/admin/drain": admin.DRAIN_TAKES}
+FLEET_MORE_BYTES = ("send a smaller body (fewer or shorter prompts), or start the fleet with a "
+                    "larger --max-body-bytes (calexec serve --ray --max-body-bytes N: the "
+                    "ingress's limit and every replica's; FailoverSettings.max_body_bytes for "
+                    "an ingress built in code)")
+
+
+def fleet_body_too_large(limit: int, path: str) -> Status:
+    """The failure of the ingress's 413 for a body to ``path`` over ``limit`` bytes
+    (:data:`FLEET_TAKES`, else :data:`FLEET_MORE_BYTES`)."""
+    return error_bodies.body_too_large(limit, FLEET_TAKES.get(path, FLEET_MORE_BYTES))
 
 
 @attrs.frozen
@@ -369,9 +387,15 @@ class FleetIngress:
                 f"{size} bytes came", self.settings.body_timeout_s), 408,
                 self.settings.retry_after_s, close=True))
             return
+        limit = self.settings.max_body_bytes
+        if read == BODY_WHOLE and sum(len(chunk) for chunk in chunks) > limit:
+            # ``read_body`` judges the size only between chunks: a body that came whole in one
+            # message, or whose last chunk crossed the limit, was forwarded until stop 72, and
+            # the replica's own 413 gave a single server's advice
+            read = BODY_TOO_LARGE
         if read == BODY_TOO_LARGE:
-            await send_held(send, *refusal(error_bodies.body_too_large(
-                self.settings.max_body_bytes), 413, self.settings.retry_after_s, close=True))
+            await send_held(send, *refusal(fleet_body_too_large(limit, route_path(scope)),
+                                           413, self.settings.retry_after_s, close=True))
             return
         body = b"".join(chunks)
         route = (scope["method"], route_path(scope))

@@ -27,7 +27,7 @@ from calexec.drivers.serving.error_bodies import (
     invalid,
     transfer_coding_refused,
 )
-from calexec.drivers.serving.service import RouteService, ServerConfig
+from calexec.drivers.serving.service import OperatorBusy, RouteService, ServerConfig
 from calexec.machines import switch_check
 
 log = logging.getLogger("calexec.admin")
@@ -295,8 +295,11 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                 "is required"), "calbin", http_status=400)
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
-        checked = await service.operator_call(service.executor.check_calbin, path,
-                                              config.max_calbin_bytes)
+        checked = await service.operator_call(
+            f"POST /admin/reload: the check of calbin {shown(path, 300)}",
+            service.executor.check_calbin, path, config.max_calbin_bytes)
+        if isinstance(checked, OperatorBusy):  # nothing checked or moved
+            return error_response(checked.status, "calbin", retry_after=retry)
         if not checked.ok or not isinstance(path, str):  # (checked ok: a str)
             return error_response(checked if not checked.ok else invalid(f"calbin={shown(path)}"),
                                   "calbin", http_status=400)
@@ -319,7 +322,11 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         try:
             log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
                      wire.request_id(request.scope))
-            status = await service.operator_call(service.executor.switch_model, path)
+            status = await service.operator_call(
+                f"POST /admin/reload: the model switch to calbin {shown(path, 300)}",
+                service.executor.switch_model, path)
+            if isinstance(status, OperatorBusy):  # nothing moved
+                return error_response(status.status, "calbin", retry_after=retry)
             executor = service.executor
             gen, state = executor.gen, executor.state  # (read before another switch starts)
         finally:

@@ -9,6 +9,7 @@ One mechanism for both reasons:
 * ``AdmissionQueue.try_admit`` (synchronous, on the event loop) gives an id at once when the
   lifecycle is Ready, the executor healthy, nobody waits ahead and an id is free; else it
   registers a :class:`Waiter` (FIFO), or refuses when ``max_waiting`` requests already wait
+  (counted at a request's first choice: its later choices, admitted with it, wait their turn)
   (429 ``kv.full`` when the lifecycle is Ready, healthy and ids are exhausted; 503 during
   recovery or while ``executor.health()`` names a reason, e.g. a hung job not yet recovered)
   or when waiting cannot help (draining server, lifecycle Failed/Stopped/Created: 503).
@@ -97,7 +98,10 @@ class AdmissionQueue:
         queue; served before fresh requests; not refused while the server drains).
         ``admitted``: a later choice of a request of several that was admitted (its turn in
         the FIFO as any request's; not refused while the server drains: a drain lets admitted
-        requests finish)."""
+        requests finish; nor for a full queue: ``max_waiting`` is met by a request once, at
+        its first choice, and a request admitted is served whole. Until stop 72 a later
+        choice was refused 429 ``kv.full`` after the earlier ones ran, the request's answer
+        a 429 or, streamed, an error event after their chunks)."""
         self._remember_loop()
         state = self._state()
         if self._draining() and not (resume or admitted):
@@ -111,7 +115,7 @@ class AdmissionQueue:
             seq_id = self.sequences.acquire()
             if seq_id is not None:
                 return seq_id
-        if not resume and self.waiting >= self.max_waiting:
+        if not (resume or admitted) and self.waiting >= self.max_waiting:
             full = f"{self.waiting} requests already wait (max_waiting={self.max_waiting})"
             if state == "Ready" and not reasons:
                 return Status.exhausted(

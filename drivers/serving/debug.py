@@ -17,7 +17,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal, query_refusal
 from calexec.drivers.serving.error_bodies import error_response, invalid, route_error
 from calexec.drivers.serving.live_charts import COUNTED, LABELS, path_page, server_inspector
-from calexec.drivers.serving.service import RouteService
+from calexec.drivers.serving.service import OperatorBusy, RouteService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import GraphvizError, render_chart_svg
 from calexec.machines.inspector import AppOptions, inspector_app
@@ -108,9 +108,13 @@ def add_debug_routes(app: FastAPI, owner: RouteService) -> None:
         if view == "json":
             return JSONResponse(record)
         try:
-            svg_page = await service.operator_call(path_page, record)
+            svg_page = await service.operator_call(f"GET /debug/jobs/{wanted}: its drawing",
+                                                   path_page, record)
         except GraphvizError as err:
             return no_graphviz(err, "/debug/jobs/{id}")
+        if isinstance(svg_page, OperatorBusy):  # (?format=json needs no turn)
+            return error_response(svg_page.status, "job_id",
+                                  retry_after=service.config.retry_after_s)
         return HTMLResponse(svg_page)
 
     @app.get("/debug/statecharts")

@@ -1678,10 +1678,80 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
             raise GrammarError(f"{where}.function.strict",
                                f"{where}.function.strict={shown(strict, 40)}: must be a boolean")
         parsed.append(Tool(name, closed_schema(params), description, bool(strict)))
+    allowed = _allowed_tools(tool_choice, parsed)
+    if allowed is not None:  # the template lists every tool, the output calls these alone
+        mode, callable_tools = allowed
+        return ToolSetup(callable_tools, mode, tuple(tools))
     choice, named = _tool_choice(tool_choice, parsed)
     if choice == "none" and not named:
         return ToolSetup((), "none", tuple(tools))
     return ToolSetup(tuple(parsed), choice, tuple(tools), named)
+
+
+#: ``tool_choice`` ``{"type": "allowed_tools", ...}``'s modes (OpenAI's)
+ALLOWED_TOOLS_MODES = ("auto", "required")
+
+
+def _allowed_tools(tool_choice: Any, tools: list[Tool]) -> tuple[str, tuple[Tool, ...]] | None:
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", "allowed_tools": {"mode": "auto" |
+    "required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}`` ->
+    (the mode, the tools of ``tools`` it lists, in ``tools``' order); None for any other
+    ``tool_choice``. The output may call only the listed tools (``auto``: or answer in text;
+    ``required``: one call or more), while the chat template still lists every tool (what
+    ``allowed_tools`` is for: the prompt, and its cache, stay the same as the allowed set
+    changes). :class:`GrammarError` naming the field: a tool listed that is not among
+    ``tools``, listed twice, a mode other than ``auto``/``required``, an unknown key."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "allowed_tools":
+        return None
+    where = "tool_choice"
+    extra = sorted(set(tool_choice) - {"type", "allowed_tools"})
+    if extra:
+        raise GrammarError(f"{where}.{extra[0][:80]}", f"{where}.{extra[0][:80]}: unknown key "
+                           "(allowed_tools takes {\"type\": \"allowed_tools\", "
+                           "\"allowed_tools\": {\"mode\": ..., \"tools\": [...]}})")
+    spec = tool_choice.get("allowed_tools")
+    where += ".allowed_tools"
+    if not isinstance(spec, dict):
+        raise GrammarError(where, f"{where}={shown(spec, 80)}: must be an object {{\"mode\": "
+                                  "\"auto\" | \"required\", \"tools\": [{\"type\": "
+                                  "\"function\", \"function\": {\"name\": ...}}, ...]}")
+    extra = sorted(set(spec) - {"mode", "tools"})
+    if extra:
+        raise GrammarError(f"{where}.{extra[0][:80]}", f"{where}.{extra[0][:80]}: unknown key")
+    mode = spec.get("mode")
+    if mode not in ALLOWED_TOOLS_MODES:
+        raise GrammarError(f"{where}.mode", f"{where}.mode={shown(mode, 80)}: must be \"auto\" "
+                                            "or \"required\"")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise GrammarError(f"{where}.tools", f"{where}.tools={shown(listed, 80)}: must list one "
+                                             "tool or more, [{\"type\": \"function\", "
+                                             "\"function\": {\"name\": ...}}, ...]")
+    declared = [t.name for t in tools]
+    names: list[str] = []
+    for i, entry in enumerate(listed):
+        at = f"{where}.tools.{i}"
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            kind = entry.get("type") if isinstance(entry, dict) else entry
+            raise GrammarError(f"{at}.type", f"{at}.type={shown(kind, 40)}: only \"function\" "
+                                             "tools are supported")
+        if set(entry) - {"type", "function"}:
+            field = f"{at}.{sorted(set(entry) - {'type', 'function'})[0][:80]}"
+            raise GrammarError(field, f"{field}: unknown key")
+        fn = entry.get("function")
+        if not isinstance(fn, dict) or set(fn) - {"name"}:
+            raise GrammarError(f"{at}.function", f"{at}.function={shown(fn, 80)}: must be "
+                                                 "{\"name\": ...}, a tool's name")
+        name = fn.get("name")
+        if name not in declared:
+            raise GrammarError(f"{at}.function.name",
+                               f"{at}.function.name={shown(name, 80)}: not one of the tools "
+                               f"{shown(declared, 300)}")
+        if name in names:
+            raise GrammarError(f"{at}.function.name",
+                               f"{at}.function.name={shown(name, 80)}: listed twice")
+        names.append(name)
+    return mode, tuple(t for t in tools if t.name in names)
 
 
 def _tool_choice(tool_choice: Any, tools: list[Tool]) -> tuple[str, bool]:
@@ -1699,8 +1769,10 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> tuple[str, bool]:
                                               f"one of the tools {[t.name for t in tools]}")
         return str(name), True
     raise GrammarError("tool_choice", f"tool_choice={shown(tool_choice, 80)}: must be \"none\", "
-                                      "\"auto\", \"required\" or {\"type\": \"function\", "
-                                      "\"function\": {\"name\": ...}}")
+                                      "\"auto\", \"required\", {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}} or {\"type\": "
+                                      "\"allowed_tools\", \"allowed_tools\": {\"mode\": ..., "
+                                      "\"tools\": [...]}}")
 
 
 #: where a call object holds its parameters' schema (a JSON pointer from the call's root)

@@ -357,17 +357,41 @@ ITEM_STATUSES = ("in_progress", "completed", "incomplete")
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
     if isinstance(choice, str) and choice not in TOOL_CHOICES:
         raise refuse(f"tool_choice={shown(choice, 80)}: must be \"none\", \"auto\", "
-                     "\"required\" or {\"type\": \"function\", \"name\": ...}", "tool_choice")
+                     "\"required\", {\"type\": \"function\", \"name\": ...} or "
+                     "{\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}",
+                     "tool_choice")
     if choice is None or isinstance(choice, str):
         return choice
+    if choice.get("type") == "allowed_tools":
+        return chat_allowed_tools(choice)
     if choice.get("type") != "function":
         raise refuse(f"tool_choice.type={shown(choice.get('type'), 80)}: only \"function\" "
-                     "(or the strings auto, none, required)", "tool_choice.type")
+                     "or \"allowed_tools\" (or the strings auto, none, required)",
+                     "tool_choice.type")
     extra = sorted(set(choice) - {"type", "name"})
     if extra:
         raise refuse(f"tool_choice.{extra[0][:80]}: unknown key, refused",
                      f"tool_choice.{extra[0][:80]}")
     return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def chat_allowed_tools(choice: dict[str, Any]) -> dict[str, Any]:
+    """The Responses' ``tool_choice: {"type": "allowed_tools", "mode": ..., "tools": [{"type":
+    "function", "name": ...}, ...]}`` as chat's (``{"type": "allowed_tools", "allowed_tools":
+    {"mode", "tools": [{"type": "function", "function": {"name"}}]}}``), which chat's check
+    (``grammar.tool_setup``) judges; its refusals name the Responses' fields
+    (:func:`responses_param`)."""
+    extra = sorted(set(choice) - {"type", "mode", "tools"})
+    if extra:
+        raise refuse(f"tool_choice.{extra[0][:80]}: unknown key, refused (allowed_tools takes "
+                     "mode and tools)", f"tool_choice.{extra[0][:80]}")
+    listed = choice.get("tools")
+    if isinstance(listed, list):
+        listed = [{"type": tool.get("type"),
+                   "function": {k: v for k, v in tool.items() if k != "type"}}
+                  if isinstance(tool, dict) else tool for tool in listed]
+    return {"type": "allowed_tools",
+            "allowed_tools": {"mode": choice.get("mode"), "tools": listed}}
 
 
 def response_format(text: dict[str, Any] | None) -> Any:
@@ -468,6 +492,7 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
 #: refusal of the translated chat body speaks of the fields the client sent)
 CHAT_WORDS = ((re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."),
               (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.name"),
+              (re.compile(r"\btool_choice\.allowed_tools\."), "tool_choice."),
               (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
               (re.compile(r"\bresponse_format\b"), "text.format"),
               (re.compile(r"\bmax_(completion_)?tokens\b"), "max_output_tokens"),
@@ -503,7 +528,8 @@ def responses_param(param: str | None) -> str | None:
     if head == "tools" and ".function." in param:
         return param.replace(".function.", ".", 1)
     if head == "tool_choice":
-        return param.replace(".function.", ".", 1).replace(".function", "")
+        return param.replace(".allowed_tools.", ".", 1).replace(".allowed_tools", "").replace(
+            ".function.", ".", 1).replace(".function", "")
     return param
 
 

@@ -317,6 +317,13 @@ class ServerConfig:
     #: ``--grace``, the grace its signals drain with (``/admin/drain`` took 30 s whatever
     #: ``--grace`` said)
     drain_grace_s: float = attrs.field(default=30.0, validator=_seconds(positive=False))
+    #: an operator call (``CompletionService.operator_call``: a reload's calbin check or model
+    #: switch, a job page's drawing) waits at most this long (s) for one of the
+    #: ``OPERATOR_THREADS`` to be free, then is answered 429 ``operator.busy`` naming the calls
+    #: that hold them, with ``Retry-After`` (until stop 72 it waited without a bound: a job
+    #: page behind a model switch waited for the switch, up to its golden's timeouts); 0:
+    #: refused at once when both are busy
+    operator_wait_s: float = attrs.field(default=10.0, validator=_seconds(positive=False))
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=_count(1))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
@@ -846,6 +853,15 @@ def _answer_at_deadline(answer: asyncio.Future[Any], handed: list[Any]) -> None:
         answer.set_result(handed[0])
 
 
+@attrs.frozen
+class OperatorBusy:
+    """``CompletionService.operator_call``'s answer when it found every operator turn busy
+    past ``ServerConfig.operator_wait_s``: the call was not run; ``status`` (429
+    ``operator.busy``) names the calls holding the turns."""
+
+    status: Status
+
+
 def _set_event() -> threading.Event:
     event = threading.Event()
     event.set()
@@ -939,6 +955,8 @@ class CompletionService:
         self._workers = WorkerPool(2 * (2 * config.worker_threads + config.max_sequences
                                         + OPERATOR_THREADS), "calexec-worker")
         self._operator_limiter = anyio.CapacityLimiter(OPERATOR_THREADS)
+        #: what each operator call holding a token of ``_operator_limiter`` does (event loop)
+        self._operator_calls: list[str] = []
         self._releasing = 0  # asked for and not ended (``releases_pending``)
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
@@ -1656,15 +1674,42 @@ class CompletionService:
                 result = await asyncio.wrap_future(future)
             return result
 
-    async def operator_call(self, fn: Callable[..., T], *args: Any) -> T:
+    async def operator_call(self, what: str, fn: Callable[..., T], *args: Any
+                            ) -> T | OperatorBusy:
         """(The event loop: an admin or debug route.) ``fn(*args)`` in a worker thread
         (``in_worker``), at most ``OPERATOR_THREADS`` such calls at once (a script asking for
         many job pages takes no thread a request's step needs), the await's cancel waiting
         for the call's end as anyio's ``to_thread`` did: a calbin check, a model switch, a
-        job page's drawing. Until stop 71 these went to anyio's ``to_thread``, whose worker
-        threads the event loop started itself (``Thread.start`` waits for the new thread to
-        be scheduled: 0.1-0.25 s on a starved host, every request waiting with it)."""
-        return await self.in_worker(fn, *args, limiter=self._operator_limiter)
+        job page's drawing; ``what`` says which, for the answer of a call that finds them
+        busy. A call waits at most ``ServerConfig.operator_wait_s`` for its turn, then is not
+        run: :class:`OperatorBusy`, whose status (429, ``Retry-After``) names the calls that
+        hold the turns (until stop 72 the wait had no bound: a job page behind a model switch
+        waited for the switch). Until stop 71 these went to anyio's ``to_thread``, whose
+        worker threads the event loop started itself (``Thread.start`` waits for the new
+        thread to be scheduled: 0.1-0.25 s on a starved host, every request waiting with
+        it)."""
+        limiter, bound = self._operator_limiter, self.config.operator_wait_s
+        try:
+            limiter.acquire_nowait()
+        except anyio.WouldBlock:
+            turn = False
+            if bound > 0:
+                with anyio.move_on_after(bound):
+                    await limiter.acquire()
+                    turn = True
+            if not turn:
+                held = "; ".join(self._operator_calls) or "none recorded"
+                return OperatorBusy(Status.failure(
+                    "operator.busy", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
+                    f"{what}: not run, the server's {OPERATOR_THREADS} operator calls at once "
+                    f"are all busy after waiting {bound:g}s (operator_wait_s) for a turn: "
+                    f"{held}; send it again once they answered"))
+        self._operator_calls.append(what)
+        try:
+            return await self.in_worker(fn, *args)
+        finally:
+            self._operator_calls.remove(what)
+            limiter.release()
 
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
