@@ -227,3 +227,34 @@ def test_a_responses_include_obfuscation_of_the_wrong_type_is_refused(tmp_path, 
     assert error["message"].startswith(
         f"stream_options.include_obfuscation={json.dumps(given)}: must be a boolean"), error
     assert [s.status_code for s in served] == [200, 200, 200], [s.text[:200] for s in served]
+
+
+@pytest.mark.parametrize("route, needs", [("/v1/completions", "prompt"),
+                                          ("/v1/chat/completions", "messages"),
+                                          ("/v1/responses", "input"),
+                                          ("/detokenize", "tokens")])
+@pytest.mark.parametrize("raw, kind", [(b"[]", "array"), (b'[{"prompt": "hi"}]', "array"),
+                                       (b'"hi"', "string"), (b"5", "number"),
+                                       (b"null", "null"), (b"true", "boolean")])
+def test_an_api_body_that_is_no_json_object_is_named_by_its_type(tmp_path, route, needs, raw,
+                                                                 kind):
+    """A body that is valid JSON but no object (``[{"prompt": ...}]``, a batch sent as an
+    array; ``null``; a bare string) was refused ``body: Input should be an object``:
+    pydantic's words, naming neither what was sent nor what the route takes, where
+    ``/admin/reload`` says ``body: must be a JSON object {"calbin": PATH}, not array``. The
+    API's routes now say the body's JSON type and the object they take."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            r = client.post(route, content=raw, headers={"Content-Type": "application/json"})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] is None, error
+    assert error["message"].startswith(f"body: must be a JSON object with {needs} "), error
+    assert error["message"].endswith(f", not {kind}"), error

@@ -96,19 +96,6 @@ DRAIN_PARAMS = ("grace",)
 GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def json_type_name(value: object) -> str:
-    """The JSON name of a parsed JSON value's type, as a client wrote it (not Python's)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    if isinstance(value, list):
-        return "array"
-    return "string" if isinstance(value, str) else "object"
-
-
 def _object(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]:
     """A JSON object's pairs as a dict (``json.loads``' ``object_pairs_hook``); a key given
     more than once is added to ``repeated``."""
@@ -169,7 +156,7 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
                        "silently win), give it once"), name
     if not isinstance(body, dict):
         return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
-                       f"{json_type_name(body)}"), None
+                       f"{wire.json_type_name(body)}"), None
     unknown = sorted(key for key in body if key not in RELOAD_KEYS)
     if unknown:
         name = unknown[0][:80]

@@ -377,6 +377,11 @@ def parse(model: type[Body], raw: bytes) -> Body:
             raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
                                   "ignore parameters it does not implement; docs/server.md)"),
                           param) from None
+        if param is None and first["type"] == "model_type":
+            # valid JSON that is no object (a batch sent as an array, null): pydantic's
+            # words, "Input should be an object", named neither what came nor what is taken
+            raise Refusal(invalid(f"body: must be {_shape(model)}, not "
+                                  f"{wire.json_type_name(first['input'])}"), None) from None
         if param is None or first["type"] == "missing":
             raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
         value = f"{param}={_written(raw, first['loc'], first['input'])}"

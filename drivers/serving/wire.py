@@ -286,6 +286,21 @@ def no_json_value(raw: bytes, shape: str) -> str | None:
     return f"body: {said}: send {shape}"
 
 
+def json_type_name(value: object) -> str:
+    """The JSON name of a parsed JSON value's type, as a client wrote it (not Python's): what
+    a refusal of a body that is no JSON object says it was (``/admin/reload``'s and the API's
+    routes')."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    return "string" if isinstance(value, str) else "object"
+
+
 def utf8_json(raw: bytes) -> bytes | str:
     """A request's JSON body as its parser reads it, UTF-8 without a byte order mark, or the
     message refusing it (a ``str``). RFC 8259 section 8.1 lets a parser ignore a UTF-8 BOM, as
