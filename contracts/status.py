@@ -57,7 +57,7 @@ class Phase(enum.Enum):
     GOLDEN = "golden"
 
 
-_CODE_RE = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)+")
+_CODE_RE = re.compile(r"\A[a-z0-9_]+(\.[a-z0-9_]+)+\Z")
 
 
 def _check_code(instance: object, attribute: attrs.Attribute[str], value: str) -> None:

@@ -197,9 +197,10 @@ def validate_submodels(submodels: Mapping[TaskKind, SubmodelContract], vocab_siz
                              f"last dimension must equal hidden_size={hidden_size}")
 
 
-#: a sha256 hex digest, matched whole (``fullmatch``: ``$`` also matched before a final line
-#: feed, so a pin ending in one was taken and then never equalled a digest; until stop 72)
-SHA256_RE = re.compile(r"[0-9a-f]{64}")
+#: a sha256 hex digest, matched whole by ``match`` and ``fullmatch`` alike (``\Z``: ``$`` also
+#: matched before a final line feed, so a pin ending in one was taken and then never equalled a
+#: digest; until stop 72)
+SHA256_RE = re.compile(r"\A[0-9a-f]{64}\Z")
 
 
 def _freeze_submodels(value: Mapping[TaskKind, SubmodelContract] | Mapping[int, SubmodelContract]
