@@ -82,6 +82,7 @@ from typing import TYPE_CHECKING, Any
 
 from calexec import cliargs
 from calexec.drivers.memory import pin_mmap_threshold
+from calexec.drivers.serving.byte_tokenizer import END_TOKEN_ID
 from calexec.drivers.synthetic import calbin as calbin_fmt
 
 if TYPE_CHECKING:  # (the server's modules need the [server] extra: imported by run_soak)
@@ -332,13 +333,27 @@ class _Traffic:
         return {"prompt": list(prompt), "max_tokens": n, "timeout": self.timeout}, expected
 
 
-def _wrong(outcome: Outcome, expected: list[int]) -> bool:
-    tokens = outcome.tokens
-    if tokens != expected[:len(tokens)]:
+def answer_wrong(tokens: list[int], finish: str | None, expected: list[int],
+                 max_tokens: int, end_token: int = END_TOKEN_ID) -> bool:
+    """Whether a whole answer (not a disconnected stream's prefix) is wrong: its tokens are
+    not ``expected``'s first ones, or it ends as no right answer of this traffic ends (no stop
+    string, stop token or grammar in it): right is ``max_tokens`` tokens and ``length``, or
+    the end token last and ``stop``. Until stop 72 ``stop`` took any length: a server that
+    ended a request after its first tokens and said ``stop`` passed with 0 wrong tokens."""
+    if list(tokens) != list(expected[:len(tokens)]):
         return True
+    if finish == "length":
+        return len(tokens) != max_tokens
+    if finish == "stop":
+        return not tokens or tokens[-1] != end_token
+    return True
+
+
+def _wrong(outcome: Outcome, expected: list[int], max_tokens: int) -> bool:
+    tokens = outcome.tokens
     if outcome.finish == "disconnected":
-        return False
-    return len(tokens) != len(expected) and outcome.finish != "stop"
+        return tokens != expected[:len(tokens)]
+    return answer_wrong(tokens, outcome.finish, expected, max_tokens)
 
 
 def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally,
@@ -366,7 +381,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally
 
 def _count(tally: Tally, outcome: Outcome, body: dict[str, Any], mode: str,
            expected: list[int], started: float) -> None:
-    wrong = outcome.error is None and _wrong(outcome, expected)
+    wrong = outcome.error is None and _wrong(outcome, expected, body["max_tokens"])
     with tally.mu:
         tally.finished += 1
         tally.by_mode[mode] += 1
