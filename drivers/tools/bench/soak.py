@@ -25,7 +25,9 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
 * ``requests``: all ``N`` requests ran before ``--max-seconds``;
 * ``faults``: every fault fired (each kind at least once when ``F`` >= the number of kinds);
 * ``wrong_tokens``: every completed request's tokens (and a disconnected one's prefix) equal the
-  oracle's / the fault-free reference's: 0;
+  oracle's / the fault-free reference's, and a completed one ends as a right answer does
+  (``answer_wrong``: its ``max_tokens`` tokens and ``length``, or the end token last and
+  ``stop``): 0;
 * ``client_errors``: 0 client-visible errors (HTTP error, SSE error event, transport error, a
   stream without ``[DONE]``) beyond the documented ones: a fault the server does not resume
   from (drivers/serving/resume.py: ARTIFACT and REQUEST_ARTIFACT failures: unknown CSR,
