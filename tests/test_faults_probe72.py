@@ -15,6 +15,7 @@ Bundled emulator, seeded fault plans; every wait bounded; no timing threshold.
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -24,6 +25,7 @@ needs.module("httpx", "server")  # the chaos and soak checks are the [server] to
 from calexec.drivers.serving.byte_tokenizer import END_TOKEN_ID  # noqa: E402
 from calexec.drivers.tools import chaos  # noqa: E402
 from calexec.drivers.tools.bench import soak  # noqa: E402
+from executor_harness import until  # noqa: E402
 
 PROMPT = (1, 2, 3)
 
@@ -81,3 +83,76 @@ def test_the_chaos_check_takes_a_whole_answer_and_one_ended_by_the_end_token(sha
 def test_the_soak_counts_an_answer_that_ends_wrongly_as_wrong(tokens, finish, why):
     oracle = list(chaos.oracle_tokens(PROMPT, 6))
     assert soak.answer_wrong(oracle[:tokens], finish, oracle, 6) is True, why
+
+
+# ---- 2. a prefill the lifecycle refused before it ran spends no resume ---------------------------
+
+
+class SwitchesUnderPrefills:
+    """A started executor seen through its public surface, whose next ``refusals`` prefills
+    are each enqueued during a model switch (to the calbin it serves) that another thread
+    started just before: the executor refuses them, ``device lifecycle is Draining; not
+    admitting``, as it refuses a request that reaches it a moment after an operator's reload
+    began. The switch's golden run is slowed (the emulator's decode latency) so that it is
+    still under way when the prefill reaches the executor."""
+
+    def __init__(self, executor, refusals: int) -> None:
+        from calexec.drivers.calrt.runtime import bundled_emulator
+
+        self._executor = executor
+        self._emu = bundled_emulator(executor.device)
+        self.refusals = refusals
+        self.switches: list[threading.Thread] = []
+        self.answers: list = []
+
+    def enqueue(self, request, *args, **kwargs):
+        if self.refusals > 0 and request.kind.name.startswith("PREFILL"):
+            self.refusals -= 1
+            self._emu.set_latency(decode_us=300_000)  # the switch's golden: seconds
+            path = self._executor.gen.calbin_path
+            switch = threading.Thread(target=lambda: self.answers.append(
+                self._executor.switch_model(path)), name="test-probe72-switch")
+            self.switches.append(switch)
+            switch.start()
+            until(lambda: self._executor.state != "Ready", 30, "the switch's drain")
+            try:
+                return self._executor.enqueue(request, *args, **kwargs)
+            finally:
+                self._emu.set_latency(decode_us=0)
+        return self._executor.enqueue(request, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._executor, name)
+
+
+def test_prefills_refused_by_model_switches_before_they_ran_spend_no_resume(tmp_path):
+    """``max_resumes=1``, and two model switches refuse the request's prefill, then its
+    re-prefill, before either reached the device (``Draining; not admitting``): nothing was
+    lost, the request waits for Ready as one sent a moment later would, and gets its tokens.
+    On the old code each refusal spent a resume: the second exhausted the budget, 503
+    ``lifecycle.unavailable`` (a reload every second under load and a fault beside it:
+    ``calexec_resume_budget_exhausted_total`` 26 of 560 requests)."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from test_server_support import LiveServer, started_executor
+
+    executor = started_executor(tmp_path)
+    proxy = SwitchesUnderPrefills(executor, refusals=2)
+    app = create_app(proxy, ServerConfig(max_resumes=1))
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": list(PROMPT), "max_tokens": 4,
+                                                   "timeout": 30})
+            for switch in proxy.switches:
+                switch.join(30)
+            assert [s.ok for s in proxy.answers] == [True, True], proxy.answers
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == list(chaos.oracle_tokens(PROMPT, 4))
+            assert proxy.refusals == 0
+            metrics = app.state.service.metrics.registry
+            assert not metrics.get_sample_value("calexec_resume_budget_exhausted_total")
+    finally:
+        for switch in proxy.switches:
+            switch.join(30)
+        executor.shutdown(5.0)

@@ -16,7 +16,9 @@ after the recovery they may trigger), and a generation replaced between two jobs
 ARTIFACT, COMPATIBILITY, PROGRAMMING, RESOURCE_EXHAUSTED, and never the client's own
 cancellation or deadline. Budget per request (``ServerConfig``): ``max_resumes`` resumes and
 ``resume_budget_s`` seconds lost to them in total; past it the request ends with the failure
-it would have got without resuming. A resume whose lifecycle ended meanwhile (Failed, Stopped)
+it would have got without resuming. A (re-)prefill the lifecycle refused before it ran
+(``lifecycle.unavailable``: a switch or recovery began as it was enqueued) spends no resume,
+at most ``REFUSED_PREFILLS_MAX`` times a request. A resume whose lifecycle ended meanwhile (Failed, Stopped)
 ends with what a request sent then gets: 503 ``lifecycle.unavailable`` naming the failure.
 """
 
@@ -38,6 +40,14 @@ RESUMABLE = frozenset({Category.LIFECYCLE, Category.UNAVAILABLE, Category.TRANSI
                        Category.DEVICE, Category.UNKNOWN, Category.INTERNAL})
 #: ``calexec_resumes_total{cause}`` of a generation replaced between two jobs
 REPLACED = "generation_replaced"
+#: the code of a failure that only says the device stopped serving the request's generation
+#: (``Status.unavailable``): admission stopped or the generation replaced by a recovery, a
+#: model switch or a drain (``service.knock_on``), never a job's failure of its own
+KNOCK_ON_CODE = "lifecycle.unavailable"
+#: the refusals of a request's (re-)prefill before it ran that spend no resume
+#: (``Resumer.resume``); past them each spends one, as any resume: the number of lifecycle
+#: changes one request may wait through is bounded whatever the time budget
+REFUSED_PREFILLS_MAX = 8
 RESUME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -75,14 +85,27 @@ class Resumer:
             return False
         now = time.monotonic()
         spent = run.resume_s + (now - run.resume_started if run.resume_started else 0.0)
-        if run.resumes >= config.max_resumes or spent >= config.resume_budget_s:
+        # a (re-)prefill the lifecycle refused before it ran (it left Ready as the job was
+        # enqueued: a model switch, a recovery; ``lifecycle.unavailable``, "Draining; not
+        # admitting", "retired before the job was queued") lost nothing: the request holds
+        # no KV yet, and waits for Ready as a request sent a moment later does, within the
+        # resume time budget and its deadline, spending none of ``max_resumes`` (until stop
+        # 72 each such refusal spent one: a reload beside a fault under load ended requests
+        # that never reached the device with 503, the budget exhausted)
+        free = (not replaced and failure.code == KNOCK_ON_CODE and run.past == 0
+                and run.refused_prefills < REFUSED_PREFILLS_MAX)
+        if (not free and run.resumes >= config.max_resumes) \
+                or spent >= config.resume_budget_s:
             self.exhausted.inc()
             return False
         if now >= run.deadline:
             return False
         if run.resume_started is None:
             run.resume_started = now
-        run.resumes += 1
+        if free:
+            run.refused_prefills += 1
+        else:
+            run.resumes += 1
         run.resume_cause = (REPLACED if replaced or failure.category is None
                             else failure.category.value)
         self.resumes.labels(run.resume_cause).inc()

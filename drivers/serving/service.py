@@ -59,7 +59,7 @@ from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
-from calexec.drivers.serving.resume import Resumer
+from calexec.drivers.serving.resume import KNOCK_ON_CODE, Resumer
 from calexec.drivers.serving.rows import RowPool
 from calexec.drivers.serving.sampling import GrammarSpec, RowConstraint
 from calexec.drivers.serving.threads import WorkerPool
@@ -561,6 +561,9 @@ class RequestRun:
     waiter: Any = None  # Waiter / sequence id / refusal while seq_id is None
     reprefill: bool = False  # the next job re-prefills prompt + tokens on a fresh sequence
     resumes: int = 0
+    #: resumes of a (re-)prefill the lifecycle refused before it ran (``Resumer.resume``: no
+    #: resume spent), at most ``resume.REFUSED_PREFILLS_MAX``
+    refused_prefills: int = 0
     resume_s: float = 0.0  # time lost to finished resumes
     resume_started: float | None = None  # the failure the running resume started at
     resume_failure: Status | None = None  # what the request ends with if the resume gives up
@@ -702,10 +705,9 @@ MAX_TOKENS_CODES = frozenset({"kv.exceeds_capacity"})
 NO_TOKEN_LEFT = "sampling.no_token_left"
 
 
-#: the code of a failure that only says the device stopped serving the request's generation
-#: (``Status.unavailable``): admission stopped or the generation replaced by a recovery, a
-#: model switch or a drain (:func:`knock_on`)
-KNOCK_ON_CODE = "lifecycle.unavailable"
+#: (``KNOCK_ON_CODE``, from drivers/serving/resume.py: the code of a failure that only says the
+#: device stopped serving the request's generation (``Status.unavailable``): admission stopped
+#: or the generation replaced by a recovery, a model switch or a drain, :func:`knock_on`)
 
 
 def knock_on(status: Status) -> bool:
