@@ -156,3 +156,23 @@ def test_prefills_refused_by_model_switches_before_they_ran_spend_no_resume(tmp_
         for switch in proxy.switches:
             switch.join(30)
         executor.shutdown(5.0)
+
+
+# ---- 3. the soak's documented errors are the fault's own -----------------------------------------
+
+
+def test_only_the_faults_own_error_is_documented_in_its_window():
+    """An unknown CSR fails the request that met it with ``calrt.csr_failed``; any other
+    error in its window (a transport error, a 500 of another code) is beyond the budget. On
+    the old code every error in the window of a fault not resumed from was documented, one
+    per firing, whatever it was: a defect whose error came while an unknown CSR or a slice
+    failure was armed passed the ``client_errors`` check."""
+    windows = [{"kind": "unknown_csr", "armed": 10.0, "ended": 11.0, "fired": 1},
+               {"kind": "slice_fail", "armed": 20.0, "ended": 21.0, "fired": 2}]
+    errors = [(10.1, 10.2, "transport ReadTimeout"),
+              (10.3, 10.4, "SSE error calrt.csr_failed"),
+              (20.1, 20.2, "HTTP 500 internal.slot_dropped"),
+              (20.3, 20.4, "HTTP 500 calrt.slice_failed")]
+    documented, beyond = soak.classify_errors(errors, windows)
+    assert documented == {"unknown_csr": 1, "slice_fail": 1}
+    assert beyond == {"transport ReadTimeout": 1, "HTTP 500 internal.slot_dropped": 1}
