@@ -23,7 +23,7 @@ import needs
 
 needs.module("httpx", "server")  # the chaos and soak checks are the [server] tools'
 from calexec.drivers.serving.byte_tokenizer import END_TOKEN_ID  # noqa: E402
-from calexec.drivers.tools import chaos  # noqa: E402
+from calexec.drivers.tools import answers, chaos  # noqa: E402
 from calexec.drivers.tools.bench import soak  # noqa: E402
 from executor_harness import until  # noqa: E402
 
@@ -68,10 +68,10 @@ def test_the_chaos_check_takes_a_whole_answer_and_one_ended_by_the_end_token(sha
     wrong: list[str] = []
     chaos.check_record(shape(oracle, "length", 6), 0.5, 0.1, problems, wrong)
     assert not wrong and not problems, (wrong, problems)
-    assert soak.answer_wrong(oracle, "length", oracle, 6) is False
+    assert answers.answer_wrong(oracle, "length", oracle, 6) is False
     # an answer the end token ended: what the oracle gives up to it, that token last
     ended = [*oracle[:2], END_TOKEN_ID]
-    assert soak.answer_wrong(ended, "stop", ended, 6) is False
+    assert answers.answer_wrong(ended, "stop", ended, 6) is False
 
 
 @pytest.mark.parametrize("tokens,finish,why", [
@@ -82,7 +82,7 @@ def test_the_chaos_check_takes_a_whole_answer_and_one_ended_by_the_end_token(sha
 ])
 def test_the_soak_counts_an_answer_that_ends_wrongly_as_wrong(tokens, finish, why):
     oracle = list(chaos.oracle_tokens(PROMPT, 6))
-    assert soak.answer_wrong(oracle[:tokens], finish, oracle, 6) is True, why
+    assert answers.answer_wrong(oracle[:tokens], finish, oracle, 6) is True, why
 
 
 # ---- 2. a prefill the lifecycle refused before it ran spends no resume ---------------------------

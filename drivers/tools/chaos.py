@@ -49,7 +49,7 @@ from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin, oracle
 from calexec.drivers.tools import chaos_clients
-from calexec.drivers.tools.bench.soak import answer_wrong
+from calexec.drivers.tools.answers import answer_wrong
 from calexec.drivers.tools.chaos_clients import Record
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy

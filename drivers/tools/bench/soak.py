@@ -26,7 +26,7 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
 * ``faults``: every fault fired (each kind at least once when ``F`` >= the number of kinds);
 * ``wrong_tokens``: every completed request's tokens (and a disconnected one's prefix) equal the
   oracle's / the fault-free reference's, and a completed one ends as a right answer does
-  (``answer_wrong``: its ``max_tokens`` tokens and ``length``, or the end token last and
+  (``drivers/tools/answers.py``: its ``max_tokens`` tokens and ``length``, or the end token last and
   ``stop``): 0;
 * ``client_errors``: 0 client-visible errors (HTTP error, SSE error event, transport error, a
   stream without ``[DONE]``) beyond the documented ones: a fault the server does not resume
@@ -85,8 +85,8 @@ from typing import TYPE_CHECKING, Any
 
 from calexec import cliargs
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.serving.byte_tokenizer import END_TOKEN_ID
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.answers import answer_wrong
 
 if TYPE_CHECKING:  # (the server's modules need the [server] extra: imported by run_soak)
     from calexec.drivers.serving.service import ServerConfig
@@ -337,22 +337,6 @@ class _Traffic:
         n = rng.randint(self.lo, self.hi)
         expected = list(oracle_tokens(prompt, self.hi)[:n])
         return {"prompt": list(prompt), "max_tokens": n, "timeout": self.timeout}, expected
-
-
-def answer_wrong(tokens: list[int], finish: str | None, expected: list[int],
-                 max_tokens: int, end_token: int = END_TOKEN_ID) -> bool:
-    """Whether a whole answer (not a disconnected stream's prefix) is wrong: its tokens are
-    not ``expected``'s first ones, or it ends as no right answer of this traffic ends (no stop
-    string, stop token or grammar in it): right is ``max_tokens`` tokens and ``length``, or
-    the end token last and ``stop``. Until stop 72 ``stop`` took any length: a server that
-    ended a request after its first tokens and said ``stop`` passed with 0 wrong tokens."""
-    if list(tokens) != list(expected[:len(tokens)]):
-        return True
-    if finish == "length":
-        return len(tokens) != max_tokens
-    if finish == "stop":
-        return not tokens or tokens[-1] != end_token
-    return True
 
 
 def _wrong(outcome: Outcome, expected: list[int], max_tokens: int) -> bool:
