@@ -118,6 +118,10 @@ if TYPE_CHECKING:
     from calexec.machines.outcomes import JobOutcomes
 
 log = logging.getLogger("calexec.executor")
+#: recovery records a lifecycle keeps (``recoveries``): the newest; older ones are counted
+#: (``recovery_totals``) but dropped, as the fault controller keeps its last 1000 decisions: a
+#: record per recovery and model switch for the life of the process grew without bound
+RECOVERY_RECORDS_KEPT = 1000
 
 
 #: what a drained shutdown gives the executor's idle threads to end, at least (beyond its
@@ -284,7 +288,11 @@ class DeviceLifecycle:
         #: asked for once a shutdown began (``request_recovery``)
         self.dropped_recoveries = 0
         self._recovery_thread: threading.Thread | None = None
+        #: the newest ``RECOVERY_RECORDS_KEPT`` records (until stop 72 every one, for the
+        #: life of the process); ``recovery_totals`` counts them all
         self.recoveries: list[RecoveryRecord] = []
+        #: every recovery and model switch recorded, by (reason code, ok)
+        self.recovery_totals: dict[tuple[str, bool], int] = {}
         self._gen_ids = itertools.count(1)
         #: id of the newest generation that reached Ready
         self._served_gen_id = 0
@@ -1051,6 +1059,9 @@ class DeviceLifecycle:
             "seconds": host.clock.monotonic() - t0,
             "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
         self.recoveries.append(record)
+        del self.recoveries[:-RECOVERY_RECORDS_KEPT]  # (a list still: embedders compare it)
+        key = (record["reason"], record["ok"])
+        self.recovery_totals[key] = self.recovery_totals.get(key, 0) + 1
         if calbin_path is None:  # (a model switch's outcome is its caller's to say)
             # the fault's WARNING line said the recovery began: this one says how it ended
             log.log(logging.INFO if status.ok else logging.WARNING,

@@ -434,8 +434,15 @@ class DeviceExecutor(SequenceOwnership):
 
     @property
     def recoveries(self) -> list[RecoveryRecord]:
-        """One record per recovery or model switch: reason, reset, generations, outcome."""
+        """One record per recovery or model switch: reason, reset, generations, outcome; the
+        newest ``device_lifecycle.RECOVERY_RECORDS_KEPT`` (``recovery_totals`` counts all)."""
         return self.life.recoveries
+
+    @property
+    def recovery_totals(self) -> dict[tuple[str, bool], int]:
+        """Every recovery and model switch recorded, by (reason code, ok): the counts of
+        ``recoveries``, older records dropped included."""
+        return dict(self.life.recovery_totals)
 
     @property
     def goldens(self) -> dict[str, tuple[int, ...]]:
@@ -1532,7 +1539,7 @@ class DeviceExecutor(SequenceOwnership):
             # the dispatch state (machines/dispatch.py), for tests and the explorer
             "dispatch": dispatch,
             "slots": None if pool is None else pool.counts(),
-            "recoveries": len(self.life.recoveries),
+            "recoveries": sum(self.life.recovery_totals.values()),
             "recoveries_dropped": self.life.dropped_recoveries,
             "golden": self.life.golden_source,
             "allow_unpinned_golden": self.config.allow_unpinned_golden,

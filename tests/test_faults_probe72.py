@@ -176,3 +176,38 @@ def test_only_the_faults_own_error_is_documented_in_its_window():
     documented, beyond = soak.classify_errors(errors, windows)
     assert documented == {"unknown_csr": 1, "slice_fail": 1}
     assert beyond == {"transport ReadTimeout": 1, "HTTP 500 internal.slot_dropped": 1}
+
+
+# ---- 4. the recovery records an executor keeps are bounded ---------------------------------------
+
+
+def test_the_recovery_records_are_bounded_and_the_counts_are_not(tmp_path, monkeypatch):
+    """Every recovery and model switch appended a record to ``executor.recoveries`` for the
+    life of the process (the fault controller's own ``decisions`` keep the last 1000), and
+    each metrics scrape walked all of them: a server on a flaky device (up to 5 recoveries a
+    minute before its escalation stops it), or one reloaded on a schedule, grew without
+    bound. The newest ``RECOVERY_RECORDS_KEPT`` are kept; ``snapshot()["recoveries"]`` and the
+    server's switch and recovery counters still count every one."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.machines import device_lifecycle
+    from test_server_support import LiveServer, started_executor
+
+    monkeypatch.setattr(device_lifecycle, "RECOVERY_RECORDS_KEPT", 3, raising=False)
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=chaos.TOKEN))
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+            for _ in range(5):
+                r = http.post("/admin/reload", json={"calbin": executor.gen.calbin_path},
+                              headers=chaos.AUTH)
+                assert r.status_code == 200, r.text
+            assert len(executor.recoveries) == 3
+            assert [r["to_generation"] for r in executor.recoveries] == [4, 5, 6]
+            assert executor.snapshot()["recoveries"] == 5
+            metrics = http.get("/metrics").text
+            assert 'calexec_model_switches_total{outcome="ok"} 5.0' in metrics, [
+                line for line in metrics.splitlines() if "switch" in line]
+    finally:
+        executor.shutdown(5.0)

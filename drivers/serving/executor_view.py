@@ -13,7 +13,8 @@ for features an embedder's server would not need or would do otherwise:
 * ``gen``, ``check_calbin`` and ``switch_model``: the admin model switch, the calbin check
   before it (a 400, nothing drained) and its answer (admin.py);
 * ``config`` and ``job_trail``: the debug endpoint of one job's chart path (debug.py).
-* ``recoveries``: fault recoveries and model switches counted apart (service.py, metrics.py).
+* ``recoveries``, ``recovery_totals``: fault recoveries and model switches counted apart
+  (service.py, metrics.py).
 
 ``DeviceExecutor`` satisfies it: ``calexec/serve.py`` and drivers/fleet/ray_serve.py hand one
 to ``create_app`` through ``served`` (where mypy checks it).
@@ -63,7 +64,13 @@ class ServedExecutor(InferenceExecutor, Protocol):
 
     @property
     def recoveries(self) -> list[RecoveryRecord]:
-        """One record per recovery or model switch (``reason``, ``ok``, generations)."""
+        """One record per recovery or model switch (``reason``, ``ok``, generations): the
+        newest ones."""
+        ...
+
+    @property
+    def recovery_totals(self) -> dict[tuple[str, bool], int]:
+        """Every recovery and model switch recorded, by (reason code, ok)."""
         ...
 
 

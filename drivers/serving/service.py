@@ -985,11 +985,13 @@ class CompletionService:
         which an alert on fault recoveries must not page for."""
         snap = dict(self.executor.snapshot())
         switches, recoveries = {"ok": 0, "failed": 0}, 0
-        for record in list(self.executor.recoveries):  # (one copy: both counts agree)
-            if record.get("reason") == MODEL_SWITCH:
-                switches["ok" if record.get("ok") else "failed"] += 1
+        # (the counts of every record, the dropped older ones too: ``recoveries`` keeps the
+        # newest, and a scrape walked all of them until stop 72; one copy: both counts agree)
+        for (reason, ok), count in self.executor.recovery_totals.items():
+            if reason == MODEL_SWITCH:
+                switches["ok" if ok else "failed"] += count
             else:
-                recoveries += 1
+                recoveries += count
         snap["recoveries"], snap["model_switches"] = recoveries, switches
         return snap
 
