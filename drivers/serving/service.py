@@ -1202,7 +1202,7 @@ class CompletionService:
             # more token, then the fault, where the plain path answers the fault at once)
             # (past the drain's grace the shutdown ended the generation: nothing to resume)
             if not self.grace_over and await self.resumer.resume(run, moved, replaced=True):
-                return await self.advance(run)  # recursion bounded by max_resumes
+                return await self.advance(run)  # bounded: resume.REFUSED_PREFILLS_MAX + max_resumes
             run.status = moved
             return None
         # The request deadline bounds everything below, thread limiters included: the
@@ -1278,7 +1278,7 @@ class CompletionService:
         moved = None if own else self._generation_moved(run, result)
         if not self.grace_over and await self.resumer.resume(run, moved or result,
                                                              replaced=moved is not None):
-            return await self.advance(run)  # recursion bounded by max_resumes
+            return await self.advance(run)  # bounded: resume.REFUSED_PREFILLS_MAX + max_resumes
         run.status = moved or result
         return None
 
