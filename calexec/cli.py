@@ -264,7 +264,49 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
     flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
     it left during the command or before its buffered output was written, and a stdout that
-    cannot take the output (a full disk, an I/O error) is one line, exit 2."""
+    cannot take the output (a full disk, an I/O error) is one line, exit 2.
+
+    A thread a chart's module started as it was imported (a heartbeat, a scheduler: not a
+    daemon) would keep the process from exiting once the command is done (until stop 72
+    ``calexec charts paths shop:Order`` printed its paths and hung): it is named in a
+    warning, and the command line's process (``argv`` None) exits without waiting for it."""
+    code = _main(argv)
+    left = _threads_left_by_charts()
+    if left:
+        words = list(sys.argv[1:] if argv is None else argv)
+        name = lookup(words) if words else None
+        prog = f"calexec {name}" if name else "calexec"
+        for module, thread in left:
+            _warn(f"{prog}: warning: module {module!r} started thread {thread.name!r} as it "
+                  f"was imported, and it still runs: "
+                  + ("not waiting for it (a thread that is no daemon keeps a process from "
+                     "exiting)" if argv is None else "a process would wait for it as it exits")
+                  + f"; start it with daemon=True, or outside the import of {module}")
+        if argv is None:  # the command line: done, whatever the module's thread does
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
+                    stream.flush()  # type: ignore[union-attr]
+            os._exit(code)
+    return code
+
+
+def _threads_left_by_charts() -> list[Any]:
+    """The still running non-daemon threads chart modules started as they were imported
+    (``chartref.threads_left_running``; none when no chart was loaded)."""
+    if "calexec.machines.chartref" not in sys.modules:
+        return []
+    from calexec.machines.chartref import threads_left_running
+
+    return list(threads_left_running())
+
+
+def _warn(line: str) -> None:
+    """One line on stderr, unless stderr cannot take it (the result stands)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(line, file=sys.stderr)
+
+
+def _main(argv: list[str] | None) -> int:
     closed = _fill_closed_descriptors()
     real, real_err = sys.stdout, sys.stderr
     if real is None and 1 in closed:

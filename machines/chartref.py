@@ -26,6 +26,20 @@ from calexec.machines.chart_support import named_targets, no_states, reference, 
 from calexec.machines.mutants import env_text
 
 
+#: (module name, thread) for each non-daemon thread a chart module started as ``load_chart``
+#: imported it (a scheduler, a heartbeat): ``threads_left_running`` names those still alive
+_STARTED_BY_IMPORTS: list[tuple[str, threading.Thread]] = []
+
+
+def threads_left_running() -> list[tuple[str, threading.Thread]]:
+    """(module name, thread) for each non-daemon thread still running that a chart module
+    started as ``load_chart`` imported it (a heartbeat, a scheduler started at import): the
+    interpreter waits for such a thread as it exits, so a command done with its chart would
+    never exit (``calexec charts paths shop:Order`` printed its paths and hung). Empty when
+    there is none."""
+    return [(name, thread) for name, thread in _STARTED_BY_IMPORTS if thread.is_alive()]
+
+
 class ChartRefError(ValueError):
     """``MODULE:CLASS`` does not name a chart class; the message is one line naming what was
     given and what was expected: ``'<ref>': <reason>``. ``ref`` and ``reason`` are the two
@@ -142,7 +156,13 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         sys.path.insert(0, root)
     with _interrupts() as interrupted:
         try:
-            module = importlib.import_module(module_name)
+            already = set(threading.enumerate())
+            try:
+                module = importlib.import_module(module_name)
+            finally:  # (a thread a module starts as it is imported keeps a command from exiting)
+                _STARTED_BY_IMPORTS.extend(
+                    (module_name, thread) for thread in threading.enumerate()
+                    if thread not in already and not thread.daemon)
         except KeyboardInterrupt as err:
             if interrupted is None or interrupted:  # Ctrl-C (or not known not to be): stop
                 raise
