@@ -64,3 +64,57 @@ def test_a_command_on_a_chart_whose_module_starts_a_thread_exits_and_names_it(
     assert "daemon=True" in done.stderr
     if args[1] == "paths":
         assert "toggle" in done.stdout
+
+
+class _Interleaving:
+    """A stderr on which the first progress line's write waits (at most 10 s) for another
+    thread's write: two workers finishing at once then interleave as badly as they can."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.text: list[str] = []
+        self._lock = threading.Lock()
+        self._met = threading.Barrier(2, timeout=10)
+        self._waited = False
+
+    def write(self, text: str) -> int:
+        import threading
+
+        with self._lock:
+            self.text.append(text)
+            first = not self._waited and text.lstrip().startswith("[")
+            second = self._met.n_waiting == 1 and not first
+        if first:
+            self._waited = True
+        if first or second:
+            try:
+                self._met.wait()
+            except threading.BrokenBarrierError:  # no other write came (a whole line each)
+                pass
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_mutate_progress_lines_of_two_workers_stay_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from calexec.cli import main as cli
+
+    (tmp_path / "gate72.py").write_text(
+        "from statemachine import State, StateMachine\n\n\n"
+        "class Gate(StateMachine):\n"
+        "    shut = State(initial=True)\n    opened = State()\n"
+        "    swing = shut.to(opened) | opened.to(shut)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    stderr = _Interleaving()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    code = cli(["charts", "mutate", "gate72:Gate", "--test-cmd",
+                f"{sys.executable} -c pass", "--jobs", "2"])
+    assert code == 1  # every mutant an error: the command never imports the chart
+    lines = "".join(stderr.text).splitlines()
+    progress = [line for line in lines if line.lstrip().startswith("[")]
+    # until stop 72: '  [1/6] error    Gate drop:... (0.1 s)  [2/6] error    Gate ...', then ''
+    assert progress and all(line.count("[") == 1 for line in progress), lines
+    assert "" not in lines, lines

@@ -242,6 +242,22 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
 LONG_RUN_S = 600.0
 
 
+#: held while a worker writes its mutant's progress line
+_PROGRESS_LOCK = threading.Lock()
+
+
+def _progress(line: str) -> None:
+    """One progress line on stderr, whole: the ``--jobs`` workers finish mutants at once, and
+    ``print`` writes a line's text and its end apart (until stop 72 two workers' lines came
+    out as one, ``... (0.1 s)  [2/121] error ...``, then an empty line)."""
+    with _PROGRESS_LOCK:
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):  # (a stderr that cannot be written: the run goes on)
+            pass
+
+
 def mutation_plan(count: int, baseline_s: float, jobs: int, sampled: bool) -> str:
     """The line ``charts mutate`` prints before its mutants run: how many, and about how long
     at the unmutated run's time each on ``jobs`` workers; for a long run not sampled already,
@@ -791,8 +807,8 @@ def main(argv: list[str] | None = None) -> int:
                 _judge(outcome, None, "", False, error_codes, chart.target.partition(":")[0])
                 outcome.how += f"; not run: neither the unmutated run nor mutant " \
                     f"{never_applied[chart.name]} imported it"
-                print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} "
-                      f"{mutant.id} (not run)", file=sys.stderr)
+                _progress(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} "
+                          f"{mutant.id} (not run)")
                 return outcome
             env = env_for(str(index))
             ack = scratch / f"ack-{index}"
@@ -809,8 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                 mutant.id, *mutant.aliases) if (chart.name, known) in equivalents), "")
             if outcome.status == "survived" and outcome.reason:
                 outcome.status = "equivalent"
-            print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} {mutant.id} "
-                  f"({outcome.seconds:.1f} s)", file=sys.stderr)
+            _progress(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} "
+                      f"{mutant.id} ({outcome.seconds:.1f} s)")
             return outcome
 
         start = time.monotonic()
