@@ -237,11 +237,27 @@ def gate_percentage(text: str) -> float | None:
     return value if 0 <= value <= 100 else None  # (nan, inf: not in range)
 
 
-def describe(transition: Transition) -> str:
-    """``Source --event [guards]--> Target`` for listings of untaken transitions."""
+def describe(transition: Transition, chart: ChartLike | None = None) -> str:
+    """``Source --event [guards]--> Target`` for listings of untaken transitions. Given the
+    ``chart``, in the diagrams' notation: an unguarded fallback of a guarded alternative reads
+    ``[else]`` and an internal transition ends `` (internal)`` (until stop 72 the fallback
+    ``data = established.to.itself(cond="window_open") | established.to.itself(internal=True)``
+    was listed untaken as ``established --data--> established``, which reads as the
+    alternative a test took)."""
     guards = f" [{', '.join(transition.guards)}]" if transition.guards else ""
     event = transition.event or "(eventless)"
-    return f"{transition.source} --{event}{guards}--> {transition.target}"
+    internal = False
+    if chart is not None:
+        from calexec.machines.diagrams import internal as is_internal
+
+        table = compiled(chart)
+        slot = table.table.get((transition.source, transition.event), ())
+        if not guards and transition.event and any(
+                t.guards for t in slot if t.id < transition.id):
+            guards = " [else]"
+        internal = is_internal(table, transition)
+    text = f"{transition.source} --{event}{guards}--> {transition.target}"
+    return f"{text} (internal)" if internal else text
 
 
 def other_imports(chart: ChartLike) -> list[str]:

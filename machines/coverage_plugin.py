@@ -362,12 +362,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
             yellow=True)
     for note in dict.fromkeys(_twin_notes(config, state) + state.worker_notes):
         terminalreporter.write_line(note, yellow=True)
+    charts = {coverage.chart: chart for chart, coverage in zip(state.charts, coverages)}
     for coverage in state.failed:
         terminalreporter.write_line(
             f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "
             f"{state.minimum:g} %; untaken transitions:", red=True)
         for transition in coverage.untaken:
-            terminalreporter.write_line(f"    {describe(transition)}")
+            terminalreporter.write_line(
+                f"    {describe(transition, charts.get(coverage.chart))}")
 
 
 def _twin_notes(config: pytest.Config, state: _Session) -> list[str]:

@@ -182,7 +182,7 @@ def test_command_line_gate_counts_real_instances_of_a_user_chart(tmp_path):
     assert status == 1, output
     assert "transition coverage Kettle: 2/3" in output
     assert "transition coverage gate FAILED for Kettle: 66.7 % < 100 %" in output
-    assert "    cold --heat--> empty" in output
+    assert "    cold --heat [else]--> empty" in output  # (the fallback: since stop 72)
     status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle",
                                  "--chart-coverage-min=60", ini=ini)
     assert status == 0 and "transition coverage Kettle: 2/3" in output, output

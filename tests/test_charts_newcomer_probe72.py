@@ -118,3 +118,51 @@ def test_mutate_progress_lines_of_two_workers_stay_whole(
     # until stop 72: '  [1/6] error    Gate drop:... (0.1 s)  [2/6] error    Gate ...', then ''
     assert progress and all(line.count("[") == 1 for line in progress), lines
     assert "" not in lines, lines
+
+
+LINK = '''
+from statemachine import State, StateMachine
+
+
+class Link(StateMachine):
+    up = State(initial=True)
+    down = State(final=True)
+
+    data = up.to.itself(cond="window_open") | up.to.itself(internal=True)
+    drop = up.to(down)
+
+    def window_open(self, size=0):
+        return size > 0
+'''
+
+
+def test_cover_lists_an_untaken_fallback_and_internal_transition_as_the_diagram_draws_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    (tmp_path / "link72.py").write_text(LINK, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    code = cli(["charts", "cover", "--chart", "link72:Link", "--", sys.executable, "-c",
+                "from link72 import Link; Link().send('data', size=3)"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "transition coverage Link: 1/3" in out
+    # until stop 72 'untaken: up --data--> up', read as the data[window_open] the test took
+    assert "    untaken: up --data [else]--> up (internal)\n" in out
+    assert "    untaken: up --drop--> down\n" in out
+
+
+def test_the_plugins_gate_lists_an_untaken_fallback_as_the_diagram_draws_it(
+        tmp_path: Path) -> None:
+    (tmp_path / "link72.py").write_text(LINK, encoding="utf-8")
+    (tmp_path / "test_link72.py").write_text(
+        "from link72 import Link\n\n\ndef test_data():\n    Link().send('data', size=3)\n",
+        encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "--chart-coverage=link72:Link", "--chart-coverage-min=100", "test_link72.py"],
+        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300, check=False)
+    assert done.returncode == 1, done.stdout
+    assert "    up --data [else]--> up (internal)\n" in done.stdout

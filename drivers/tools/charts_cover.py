@@ -207,10 +207,10 @@ def main(argv: list[str]) -> int:
                   f"{name!r} too, another class whose runs are not counted: name the chart as "
                   f"it imports it (--chart={name}:{bound_name(chart.declaration)}"
                   f"{path_for(chart, name)})")
-    for coverage in report(charts, recorder):
+    for chart, coverage in zip(charts, report(charts, recorder), strict=True):
         print(coverage.line() + f" ({coverage.percent:.1f} %)")
         for transition in coverage.untaken:
-            print(f"    untaken: {describe(transition)}")
+            print(f"    untaken: {describe(transition, chart)}")
         if coverage.percent < minimum:
             below = True
             print(f"transition coverage gate FAILED for {coverage.chart}: "
