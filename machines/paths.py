@@ -1404,10 +1404,20 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
                 chart.name, number, len(path.steps), step, run.state,
                 f"{type(err).__name__}: {err}" + (f"; {why}" if why else "")) from err
         except Exception as err:  # a validator, guard or action of the chart raised
+            if (isinstance(err, AttributeError) and isinstance(model, GuardTable)
+                    and getattr(err, "obj", None) is model and err.name):
+                # (a callback reading the model's data: until stop 72 the note blamed event
+                # data, which drive does not send, for `self.model.retries += 1`)
+                why = (f"a callback read the model's {err.name!r}, which a GuardTable does not "
+                       f"have: it answers the chart's guards (and the validators and actions "
+                       f"the chart names on the model, as no-ops) only; drive it with a model "
+                       f"of your own, a subclass of the table that has {err.name!r} too")
+            else:
+                why = ("drive sends each event with no data, so a validator or callback that "
+                       "needs some cannot be driven with a GuardTable; drive it with a model "
+                       "of your own")
             err.add_note(f"(raised by step {number} of {len(path.steps)} of a {chart.name} "
-                         f"path, {_describe(step)}: drive sends each event with no data, so a "
-                         f"validator or callback that needs some cannot be driven with a "
-                         f"GuardTable; drive it with a model of your own)")
+                         f"path, {_describe(step)}: {why})")
             raise
         if counted[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,

@@ -166,3 +166,33 @@ def test_the_plugins_gate_lists_an_untaken_fallback_as_the_diagram_draws_it(
         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300, check=False)
     assert done.returncode == 1, done.stdout
     assert "    up --data [else]--> up (internal)\n" in done.stdout
+
+
+def test_driving_a_chart_whose_action_reads_the_models_data_names_the_attribute() -> None:
+    from statemachine import State, StateMachine
+
+    from calexec.machines.compiled import compiled
+    from calexec.machines.paths import GuardTable, drive, transition_tour
+
+    class Tcp(StateMachine):
+        closed = State(initial=True)
+        syn_sent = State()
+        established = State(final=True)
+
+        active_open = closed.to(syn_sent)
+        retransmit = syn_sent.to.itself(cond="retries_left")
+        syn_ack = syn_sent.to(established)
+
+        def on_retransmit(self) -> None:
+            self.model.retries += 1
+
+    walk = transition_tour(Tcp)[0]
+    run = compiled(Tcp).run(GuardTable.for_chart(Tcp, outcomes=walk.start))
+    with pytest.raises(AttributeError) as raised:
+        drive(run, walk)
+    note = " ".join(getattr(raised.value, "__notes__", []))
+    # until stop 72: '... drive sends each event with no data, so a validator or callback that
+    # needs some cannot be driven ...', of a callback that needs no data but the model's
+    assert "syn_sent --retransmit--> syn_sent" in note
+    assert "a callback read the model's 'retries', which a GuardTable does not have" in note
+    assert "no data" not in note
