@@ -294,7 +294,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if message.startswith("argument ") and message.endswith(": expected one argument"):
             message += self._dash_value_hint(message)
-        switch = re.fullmatch(r"argument (--[\w-]+): ignored explicit argument (.*)", message)
+        # (--help's name is "-h/--help": until stop 72 --help=1 kept argparse's words alone)
+        switch = re.fullmatch(r"argument (?:-\w/)?(--[\w-]+): ignored explicit argument (.*)",
+                              message)
         if switch:  # (--png=d: "ignored" read as if the run went on without it)
             message += (f" (refused: {switch[1]} is a switch and takes no value: give "
                         f"{switch[1]} alone)")

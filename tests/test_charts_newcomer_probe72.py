@@ -196,3 +196,17 @@ def test_driving_a_chart_whose_action_reads_the_models_data_names_the_attribute(
     assert "syn_sent --retransmit--> syn_sent" in note
     assert "a callback read the model's 'retries', which a GuardTable does not have" in note
     assert "no data" not in note
+
+
+@pytest.mark.parametrize("argv", [["charts", "draw", "--help=1"],
+                                  ["charts", "paths", "lamp:Lamp", "--json", "--help=yes"],
+                                  ["charts", "cover", "--help=1"]])
+def test_help_given_a_value_says_it_takes_none(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    # until stop 72 argparse's "argument -h/--help: ignored explicit argument '1'" alone
+    assert "(refused: --help is a switch and takes no value: give --help alone)" in err
+    assert len(err.strip().splitlines()) == 1
