@@ -210,3 +210,27 @@ def test_help_given_a_value_says_it_takes_none(
     # until stop 72 argparse's "argument -h/--help: ignored explicit argument '1'" alone
     assert "(refused: --help is a switch and takes no value: give --help alone)" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_cover_keeps_what_a_chart_module_prints_at_import_off_the_stdout_of_every_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    (tmp_path / "noisy72.py").write_text(
+        "print('connecting to the database...')\n"
+        "from statemachine import State, StateMachine\n\n\n"
+        "class Lamp(StateMachine):\n"
+        "    off = State(initial=True)\n    on = State()\n"
+        "    flip = off.to(on) | on.to(off)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    # a test reading a helper process's output: the helper never imports the chart, but
+    # charts cover imports it in every Python process the command starts
+    check = ("import subprocess, sys; from noisy72 import Lamp; Lamp().send('flip'); "
+             "out = subprocess.check_output([sys.executable, '-c', 'print(42)']); "
+             "sys.exit(0 if out.split() == [b'42'] else 3)")
+    code = cli(["charts", "cover", "--chart", "noisy72:Lamp", "--", sys.executable, "-c", check])
+    captured = capsys.readouterr()
+    # until stop 72 the helper printed 'connecting to the database...' before its 42: exit 3
+    assert code == 0, captured.err
+    assert "transition coverage Lamp: 1/2" in captured.out

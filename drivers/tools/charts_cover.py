@@ -20,6 +20,7 @@ This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -69,7 +70,13 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     errors: dict[str, str] = {}
     for ref in refs.split(","):
         try:
-            chart = compiled(load_chart(ref, os.getcwd()))
+            # (what the chart's module prints as it is imported goes to stderr: this process
+            # may be one whose output its parent reads, `python tool.py` of a test, which never
+            # imports the chart itself; until stop 72 the module's print came first on its
+            # stdout under `charts cover` alone)
+            with contextlib.redirect_stdout(sys.stderr):
+                declaration = load_chart(ref, os.getcwd())
+            chart = compiled(declaration)
             track(chart, recorder)
             loaded[ref] = chart.name
             tracked[ref] = chart
