@@ -349,11 +349,32 @@ def mutated(declaration: object) -> bool:
     return _chart_class(declaration) in _MUTATED
 
 
+def sharing_states(declaration: type[StateMachine]) -> list[type]:
+    """The other chart classes holding some of ``declaration``'s very ``State`` objects: its
+    base charts and subclasses (as far as they are defined) that python-statemachine gave
+    them (``class Urgent(Ticket): pass``; a subclass that declares its states anew shares
+    none). ``apply`` mutates those objects, so a mutant of ``declaration`` changes these
+    charts too, and a test of one of them may kill it. Declaration order: bases, then
+    subclasses; empty when there is none."""
+    mine = {id(state) for state in getattr(declaration, "states_map", {}).values()}
+    related: list[type] = [base for base in declaration.__mro__[1:]
+                           if isinstance(base, type) and issubclass(base, StateChart)]
+    pending = list(declaration.__subclasses__())
+    while pending:
+        sub = pending.pop(0)
+        if sub not in related:
+            related.append(sub)
+            pending.extend(sub.__subclasses__())
+    return [other for other in related if any(
+        id(state) in mine for state in (getattr(other, "states_map", None) or {}).values())]
+
+
 def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     """Mutate ``declaration`` in place by ``mutant_id`` (as ``derive`` names it, with any
     number of target mutants). Raises ``ValueError`` for an unknown id, ``TypeError`` for a
     ``declaration`` that is not a chart class (a ``CompiledChart`` included: the class is
-    mutated in place, and the compiled table made before would not see it)."""
+    mutated in place, and the compiled table made before would not see it). A base chart or
+    subclass sharing ``declaration``'s states (``sharing_states``) is mutated with it."""
     if _chart_class(declaration) is not declaration:
         raise TypeError(f"apply({declaration!r}, ...): pass the chart class itself; apply "
                         "mutates it in place, and a CompiledChart made before would not see "

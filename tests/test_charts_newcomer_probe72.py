@@ -234,3 +234,65 @@ def test_cover_keeps_what_a_chart_module_prints_at_import_off_the_stdout_of_ever
     # until stop 72 the helper printed 'connecting to the database...' before its 42: exit 3
     assert code == 0, captured.err
     assert "transition coverage Lamp: 1/2" in captured.out
+
+
+TICKETS = '''
+from statemachine import State, StateMachine
+
+
+class Ticket(StateMachine):
+    new = State(initial=True)
+    open = State()
+    closed = State(final=True)
+
+    triage = new.to(open)
+    resolve = open.to(closed)
+
+
+class Urgent(Ticket):
+    pass
+
+
+class Redeclared(Ticket):
+    new = State(initial=True)
+    open = State()
+    closed = State(final=True)
+
+    triage = new.to(open)
+    resolve = open.to(closed)
+'''
+
+
+def test_mutating_a_subclass_that_shares_its_base_charts_states_says_the_base_changes_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+    from calexec.machines.chartref import load_chart
+    from calexec.machines.mutants import apply, sharing_states
+
+    (tmp_path / "tickets72.py").write_text(TICKETS, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    urgent = load_chart("tickets72:Urgent", str(tmp_path))
+    ticket = load_chart("tickets72:Ticket", str(tmp_path))
+    redeclared = load_chart("tickets72:Redeclared", str(tmp_path))
+    assert sharing_states(urgent) == [ticket]
+    assert sharing_states(ticket) == [urgent]
+    assert sharing_states(redeclared) == []
+    # the test command: Ticket's own test only, which kills every mutant of Urgent
+    (tmp_path / "test_ticket72.py").write_text(
+        "from tickets72 import Ticket\n\n\ndef test_ticket():\n    t = Ticket()\n"
+        "    t.send('triage')\n    t.send('resolve')\n"
+        "    assert list(t.configuration_values) == ['closed']\n", encoding="utf-8")
+    code = cli(["charts", "mutate", "tickets72:Urgent", "--mutant", "drop:new-triage->open",
+                "--test-cmd", f"{sys.executable} -m pytest -q -p no:cacheprovider -p no:xdist "
+                f"test_ticket72.py"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    # until stop 72 nothing said Urgent's mutant was killed by a test of another chart
+    assert ("warning: Urgent shares its states with Ticket (python-statemachine gives a "
+            "subclass its base chart's very states): each mutant of Urgent changes Ticket "
+            "too") in captured.err
+    # what the warning says: the mutant of Urgent is Ticket's too
+    apply(urgent, "drop:new-triage->open")
+    with pytest.raises(Exception, match="(?i)triage"):
+        ticket().send("triage")

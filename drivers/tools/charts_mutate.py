@@ -693,6 +693,16 @@ def main(argv: list[str] | None = None) -> int:
                                  f"named {chart.name}; name one: NAME=module:Class (e.g. "
                                  f"{chart.name}2={chart.target})")
             # (the same chart given twice, as CHART and --chart: mutated once, as cover counts it)
+        for chart in charts:  # (until stop 72 a subclass's mutants changed its base unsaid)
+            shared = mutants_mod.sharing_states(chart.declaration)
+            if shared:
+                names = ", ".join(other.__name__ for other in shared)
+                print(f"calexec charts mutate: warning: {chart.name} shares its states with "
+                      f"{names} (python-statemachine gives a subclass its base chart's very "
+                      f"states): each mutant of {chart.name} changes {names} too, so a test of "
+                      f"{names} can kill it (its killers in the report say which); declare "
+                      f"{chart.name}'s states in its own class body to mutate it alone",
+                      file=sys.stderr)
         own = all(c.target in CALEXEC_CHARTS.values() for c in charts)
         if args.test_cmd is None and not own:
             raise ValueError("--test-cmd is required for a chart that is not calexec's own")
