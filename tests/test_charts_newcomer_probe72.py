@@ -296,3 +296,22 @@ def test_mutating_a_subclass_that_shares_its_base_charts_states_says_the_base_ch
     apply(urgent, "drop:new-triage->open")
     with pytest.raises(Exception, match="(?i)triage"):
         ticket().send("triage")
+
+
+def test_paths_of_a_large_chart_say_what_they_are_doing_before_the_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    (tmp_path / "chain72.py").write_text(
+        "from statemachine import State, StateMachine\n\n"
+        "_attrs = {f's{i}': State(initial=i == 0, final=i == 149) for i in range(150)}\n"
+        "_attrs.update({f'go{i}': _attrs[f's{i}'].to(_attrs[f's{i + 1}']) for i in range(149)})\n"
+        "Chain = type('Chain', (StateMachine,), _attrs)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "paths", "chain72:Chain", "--json"]) == 0
+    captured = capsys.readouterr()
+    # until stop 72 nothing was said (a 1000-state chain: a minute and a half of silence)
+    assert captured.err.startswith(
+        "calexec charts paths: finding the paths of Chain (150 states, 149 transitions)")
+    assert captured.out.startswith("{")

@@ -216,7 +216,8 @@ def draw(argv: list[str]) -> int:
 
 
 #: a chart larger than this gets a line on stderr before graphviz lays it out (which may take
-#: up to ``GRAPHVIZ_TIMEOUT_S`` per format: hundreds of states with many crossing edges)
+#: up to ``GRAPHVIZ_TIMEOUT_S`` per format: hundreds of states with many crossing edges), and
+#: before ``charts paths`` finds its paths
 LARGE_STATES, LARGE_TRANSITIONS = 100, 200
 
 
@@ -254,6 +255,12 @@ def paths(argv: list[str]) -> int:
                         "past it the paths are refused, naming what multiplies them")
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
+    if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
+        # (a 1000-state chain's paths took a minute and a half, --json 120 MB, without a word)
+        print(f"calexec charts paths: finding the paths of {chart.name} ({len(chart.states)} "
+              f"states, {len(chart.transitions)} transitions): a path to each state and "
+              f"transition, each from the start, so a long chain's take a while ...",
+              file=sys.stderr, flush=True)
     try:
         data = as_data(chart, args.max_configurations)
     except ValueError as err:  # an unreachable state, a shadowed transition
