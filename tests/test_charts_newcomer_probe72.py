@@ -315,3 +315,17 @@ def test_paths_of_a_large_chart_say_what_they_are_doing_before_the_wait(
     assert captured.err.startswith(
         "calexec charts paths: finding the paths of Chain (150 states, 149 transitions)")
     assert captured.out.startswith("{")
+
+
+def test_charts_names_given_a_chart_says_it_writes_calexecs_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "names", "tcp:TcpConnection"]) == 2
+    err = capsys.readouterr().err
+    # until stop 72: "error: unrecognized arguments: tcp:TcpConnection" alone
+    assert ("calexec charts names: 'tcp:TcpConnection': charts names takes no chart: it writes "
+            "the names of calexec's own charts (job, kv_txn, lifecycle, buffer_slot)") in err
+    assert not list(tmp_path.iterdir())

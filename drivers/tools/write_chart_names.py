@@ -6,6 +6,7 @@ read as a text file: a directory, a device, a FIFO), in one line naming it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from calexec.cliargs import UserError, command_main, output_path, shell_word, staged_report
 from calexec.cliargs import parser as cli_parser
-from calexec.machines.compiled import names_source
+from calexec.machines.compiled import CHARTS, names_source
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "machines" / "chart_names.py"
 
@@ -51,7 +52,13 @@ def main(argv: list[str]) -> int:
                              "source tree)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if --out differs from what the declarations generate")
+    parser.add_argument("chart", nargs="?", help=argparse.SUPPRESS)  # (refused, below)
     args = parser.parse_args(argv[2:])
+    if args.chart is not None:  # (until stop 72 argparse's "unrecognized arguments" alone)
+        raise UserError(f"{args.chart!r}: charts names takes no chart: it writes the names of "
+                        f"calexec's own charts ({', '.join(CHARTS)}); a chart of your own "
+                        f"is a class whose states and events are its attributes "
+                        f"(calexec charts paths MODULE:CLASS --json lists them)")
     fresh = names_source()
     if args.check:
         current = current_text(args.out, len(fresh.encode("utf-8")))
