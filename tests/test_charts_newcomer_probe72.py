@@ -329,3 +329,19 @@ def test_charts_names_given_a_chart_says_it_writes_calexecs_own(
     assert ("calexec charts names: 'tcp:TcpConnection': charts names takes no chart: it writes "
             "the names of calexec's own charts (job, kv_txn, lifecycle, buffer_slot)") in err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_equivalent_file_that_is_no_toml_is_named_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from calexec.cli import main as cli
+
+    (tmp_path / "link72.py").write_text(LINK, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["charts", "mutate", "link72:Link", "--test-cmd", "true",
+                "--equivalent", "link72.py"]) == 2
+    err = capsys.readouterr().err
+    # until stop 72: "--equivalent='...link72.py': Expected '=' after a key ..." alone
+    assert "link72.py': not TOML (" in err
+    assert "expected a TOML list of equivalent mutants" in err
+    assert len(err.strip().splitlines()) == 1

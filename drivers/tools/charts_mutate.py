@@ -505,8 +505,11 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
         data = tomllib.loads(text)
     except cliargs.UserError as err:
         raise ValueError(str(err)) from None
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--equivalent={str(path)!r}: {err}") from err
+    except tomllib.TOMLDecodeError as err:  # (until stop 72 the parser's words alone: a
+        # chart's .py given there read "Expected '=' after a key in a key/value pair")
+        raise ValueError(f"--equivalent={str(path)!r}: not TOML ({err}); expected a TOML list "
+                         f"of equivalent mutants, [[mutant]] tables of chart, id and reason "
+                         f"(docs/chart_mutants_equivalent.toml is one)") from err
     entries = data.get("mutant", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"--equivalent={str(path)!r}: 'mutant' must be [[mutant]] tables "
