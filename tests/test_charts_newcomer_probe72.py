@@ -345,3 +345,18 @@ def test_an_equivalent_file_that_is_no_toml_is_named_so(
     assert "link72.py': not TOML (" in err
     assert "expected a TOML list of equivalent mutants" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("module", ["orders\\workflow.py", "orders\\workflow"])
+def test_a_chart_path_written_with_backslashes_names_the_dotted_module(
+        tmp_path: Path, module: str) -> None:
+    from calexec.machines.chartref import ChartRefError, load_chart
+
+    (tmp_path / "orders").mkdir()
+    (tmp_path / "orders" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "orders" / "workflow.py").write_text(LINK, encoding="utf-8")
+    with pytest.raises(ChartRefError) as refused:
+        load_chart(f"{module}:Link", str(tmp_path))
+    # until stop 72: "... (e.g. orders\\workflow:Link for orders\\workflow.py)", refused in turn
+    assert f"{module!r} is a path written with backslashes" in refused.value.reason
+    assert "(e.g. orders.workflow:Link)" in refused.value.reason
