@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:  # the command line: done, whatever the module's thread does
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(OSError, ValueError, AttributeError):
-                    stream.flush()  # type: ignore[union-attr]
+                    stream.flush()
             os._exit(code)
     return code
 

@@ -25,7 +25,6 @@ from statemachine import Event, State, StateChart
 from calexec.machines.chart_support import named_targets, no_states, reference, same_ids
 from calexec.machines.mutants import env_text
 
-
 #: (module name, thread) for each non-daemon thread a chart module started as ``load_chart``
 #: imported it (a scheduler, a heartbeat): ``threads_left_running`` names those still alive
 _STARTED_BY_IMPORTS: list[tuple[str, threading.Thread]] = []
