@@ -812,7 +812,11 @@ def _too_many(chart: CompiledChart, limit: int) -> str:
     if parallel:
         causes.append(f"the states of the regions of its {len(parallel)} parallel state(s) "
                       f"{_shown(parallel)} combine")
-    if histories:
+    if len(histories) == 1:  # (until stop 72 "each of the chart's 1 history states ...;
+        # their combinations multiply", of one history)
+        causes.append(f"a configuration is the active states and what the chart's history "
+                      f"state {histories[0]} recorded")
+    elif histories:
         causes.append(f"a configuration is the active states and what each of the chart's "
                       f"{len(histories)} history states recorded: {_shown(histories)}; their "
                       f"combinations multiply")

@@ -381,3 +381,31 @@ def test_calexec_diagrams_into_a_directory_without_its_charts_says_they_are_cale
             "draw MODULE:CLASS --out DIR") in err
     assert cli(["diagrams"]) == 0  # drawn again: they are there, nothing to say
     assert "note:" not in capsys.readouterr().err
+
+
+def test_too_many_configurations_of_a_chart_with_one_history_name_it_as_one() -> None:
+    from statemachine import HistoryState, State, StateChart
+
+    from calexec.machines.paths import as_data
+
+    class Vending(StateChart):
+        class operating(State.Compound):
+            class selling(State.Compound):
+                idle = State(initial=True)
+                counting = State()
+                insert = idle.to(counting)
+            restocking = State()
+            h = HistoryState(type="deep")
+            restock = selling.to(restocking)
+            back = restocking.to(h)
+            h.to(selling)
+        service = State()
+        open_door = operating.to(service)
+        close_door = service.to(operating.h)
+
+    with pytest.raises(ValueError) as refused:
+        as_data(Vending, max_configurations=3)
+    # until stop 72: "what each of the chart's 1 history states recorded: h; their
+    # combinations multiply"
+    assert "what the chart's history state h recorded)" in str(refused.value)
+    assert "1 history states" not in str(refused.value)
