@@ -305,6 +305,9 @@ class DeviceLifecycle:
         #: the last ``_configure_and_warm`` was refused by the device itself at its configure
         #: (§8 DEVICE: rc 24 map broken, 18 unavailable), not by a golden or the calbin
         self._configure_refused_by_device = False
+        #: the recovery's thread is reporting the device's refusal of its configure
+        #: (``_report_refused_configure``): a fault of the recovery under way
+        self._reporting_refusal = False
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
         self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
@@ -417,10 +420,12 @@ class DeviceLifecycle:
 
     def recovery_under_way(self) -> bool:
         """A recovery asked for from Ready has not reached its new generation yet: pending,
-        or draining and resetting the old one (Draining, Recovering). A fault met now belongs
+        or draining and resetting the old one (Draining, Recovering), or the device's refusal
+        of its new generation's configure while that is reported. A fault met now belongs
         to the incident it covers (the fault controller counts it against no escalation
         budget). Read without ``mu``: a field and the chart's state."""
-        return self._asked() or self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING)
+        return (self._asked() or self._reporting_refusal
+                or self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING))
 
     def _asked(self) -> bool:
         """A recovery the controller asked for the current generation has not moved the
@@ -1358,14 +1363,28 @@ class DeviceLifecycle:
             if status.category is Category.DEVICE and self._recovery_owner is not None:
                 # a recovery's configure refused by the device itself (§8: 24 map broken, 18
                 # unavailable: reset, restart or escalate): the device is reset before the
-                # next generation (``_release_failed_generation``); no fault controller hears
-                # of it (no job), and the roll-back configured the next one on a device never
-                # reset
+                # next generation (``_release_failed_generation``; the roll-back configured
+                # the next one on a device never reset)
                 with self.mu:
                     self._reset_for = self._reset_for or status
+                self._report_refused_configure(status)
             return status
         status = self._advance(LIFECYCLE_EV_CONFIGURED)
         return self.warm_up() if status.ok else status
+
+    def _report_refused_configure(self, status: Status) -> None:
+        """Tell the fault sink of a configure the device refused (no job carries it, so no
+        one did: ``calexec_device_faults_total`` never counted it and the log had no fault
+        line for it, where a golden job's device fault has both). It is part of the recovery
+        under way (``recovery_under_way`` answers True while it is reported): the controller
+        counts it against no escalation budget, the recovery's own bound on configures
+        (``_retry_golden``: at most ``max_recoveries`` of them) stays the one that ends it
+        Failed. Called without ``mu`` (the controller asks for the reset it calls for)."""
+        self._reporting_refusal = True
+        try:
+            self._host.outcomes.faults.report(status)
+        finally:
+            self._reporting_refusal = False
 
     def _release_failed_generation(self, record: _RecoveryProgress | None = None) -> Status:
         """Tear down a generation refused while Configuring/Warming, or at a failed start,
