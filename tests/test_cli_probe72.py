@@ -6,6 +6,13 @@ never a timing figure.
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 import needs
@@ -56,3 +63,72 @@ def test_a_configure_the_device_refused_is_counted_in_the_device_faults(tmp_path
         executor.shutdown(5.0)
     assert faults == {("device", "calrt.map_failed", "24"): 1.0}, faults
     assert executor.recoveries[-1]["refused"] == ["calrt.map_failed"], executor.recoveries[-1]
+
+
+#: the child of the interrupt test: ``calexec diagrams live`` whose warm-up (the start's golden
+#: run) says so on stderr and waits on stdin, where the parent's SIGINT finds it
+WARM_UP_BARRIER = """
+import sys
+from calexec.machines.device_lifecycle import DeviceLifecycle
+real = DeviceLifecycle.warm_up
+def warm_up(self):
+    sys.stderr.write("probe72: warming up\\n")
+    sys.stderr.flush()
+    sys.stdin.readline()  # (the barrier: the parent's SIGINT ends it)
+    return real(self)
+DeviceLifecycle.warm_up = warm_up
+from calexec import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _read_until(stream, marker: str, timeout: float) -> str:
+    """What ``stream`` (a pipe's binary file) gave until a line holding ``marker``, or
+    until ``timeout`` seconds passed (the caller asserts the marker)."""
+    seen = b""
+    end = time.monotonic() + timeout
+    while marker.encode() not in seen and time.monotonic() < end:
+        ready, _, _ = select.select([stream], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode(errors="replace")
+
+
+def test_diagrams_live_interrupted_in_its_warm_up_shuts_its_executor_down(tmp_path):
+    """``calexec diagrams live`` interrupted (Ctrl-C) while its executor warmed up (the start's
+    golden run, before the server and the load) left the executor as it was: never shut
+    down, its device open and its threads running until the interpreter's exit (the
+    ``ResourceWarning`` "was never shut down" at exit), since only the load after the start
+    was in the ``try`` whose ``finally`` shuts it down. It now shuts down on every way out:
+    exit 130, one line, no warning. (Chromium is never reached: a stand-in on PATH.)"""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "chromium").write_text("#!/bin/sh\nexit 1\n")
+    (fake / "chromium").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("CALEXEC_DEBUG", None)
+    child = subprocess.Popen(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", WARM_UP_BARRIER,
+         "diagrams", "live", "--out", str(tmp_path / "live.png"), "--job-out", "",
+         "--seconds", "1", "--clients", "1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        cwd=tmp_path)
+    try:
+        before = _read_until(child.stderr, "probe72: warming up", 120)
+        assert "probe72: warming up" in before, before
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    err_text = err.decode(errors="replace")
+    assert child.returncode == 130, (child.returncode, before, err_text)
+    assert "never shut down" not in err_text, err_text
+    assert "Traceback" not in err_text, err_text
+    assert out == b""
+    assert not (tmp_path / "live.png").exists()

@@ -139,22 +139,31 @@ def main(argv: list[str]) -> int:
         calbin.write(path, calbin.default_spec())
         ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
                             ExecutorConfig(calbin_path=path, device_config="decode_us=20000"))
-        status = ex.start()
-        if not status.ok:
-            print(f"calexec diagrams live: executor did not start: {status}", file=sys.stderr)
-            return 1
-        # (no resumes: the injected CCU exception of the job shot must fail its request, whose
-        # error names the job; a resumed request answers 200 and names none)
-        app = create_app(served(ex), ServerConfig(max_resumes=0))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
-                                               port=0, log_level="warning", access_log=False))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
+        server: Any = None
+        thread: threading.Thread | None = None
         stop = threading.Event()
+        # every way out shuts the executor down: the warm-up of its start included (a Ctrl-C
+        # there left it Warming, its device open and its threads running to the exit), a
+        # start that failed, a server that did not start, the load and the shots
         try:
+            status = ex.start()
+            if not status.ok:
+                raise cliargs.UserError(f"executor did not start: {status}",
+                                        cliargs.EXIT_REFUSED)
+            # (no resumes: the injected CCU exception of the job shot must fail its request,
+            # whose error names the job; a resumed request answers 200 and names none)
+            app = create_app(served(ex), ServerConfig(max_resumes=0))
+            server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
+                                                   port=0, log_level="warning",
+                                                   access_log=False))
+            thread = threading.Thread(target=server.run, daemon=True)
+            thread.start()
             end = time.monotonic() + 30
-            while not server.started and time.monotonic() < end:
+            while not server.started and time.monotonic() < end and thread.is_alive():
                 time.sleep(0.05)
+            if not server.started:
+                raise cliargs.UserError("the server on 127.0.0.1 did not start within 30 s",
+                                        cliargs.EXIT_REFUSED)
             url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
 
             def client(i: int) -> None:
@@ -176,9 +185,12 @@ def main(argv: list[str]) -> int:
                 done = _job_path_shot(ex, server, url, tmp, os.path.abspath(args.job_out))
         finally:
             stop.set()
-            server.should_exit = True
-            thread.join(10)
-            ex.shutdown(10.0)
+            if server is not None:
+                server.should_exit = True
+            if thread is not None:
+                thread.join(10)
+            if not ex.lifecycle.final:  # (a failed start ended it Failed, closed)
+                ex.shutdown(10.0)
     if done.returncode != 0 or not os.path.exists(args.out):
         print(f"calexec diagrams live: chromium failed: {done.stderr[-2000:]}", file=sys.stderr)
         return 1
