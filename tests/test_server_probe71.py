@@ -19,6 +19,7 @@ from calexec.drivers.calrt.runtime import CalRT, Device
 from calexec.drivers.serving.service import ServerConfig
 from calexec.drivers.synthetic import calbin
 from calexec.machines import switch_check
+from fifo_swap import to_fifo
 from test_server_support import started_executor
 
 
@@ -38,13 +39,6 @@ def _bounded(call, fifo: str, end: int = os.O_WRONLY) -> list:
     return out
 
 
-def _to_fifo(path: str) -> None:
-    """Put a FIFO no one writes to where the file ``path`` was (an operator's script
-    rewriting the file the reload names; ``mv`` of a named pipe over it)."""
-    os.unlink(path)
-    os.mkfifo(path)
-
-
 def test_a_reload_path_replaced_by_a_fifo_while_checked_is_refused_not_held(tmp_path,
                                                                             monkeypatch):
     """``POST /admin/reload``'s check (``DeviceExecutor.check_calbin``) ``stat`` ed the path
@@ -62,7 +56,7 @@ def test_a_reload_path_replaced_by_a_fifo_while_checked_is_refused_not_held(tmp_
         result = real_stat(p, *args, **kwargs)
         if os.fspath(p) == path and not swapped:  # the check's stat saw the regular file
             swapped.append(path)
-            _to_fifo(path)
+            to_fifo(path)
         return result
 
     monkeypatch.setattr(os, "stat", stat_then_swap)
@@ -94,7 +88,7 @@ def test_a_calbin_replaced_by_a_fifo_before_the_load_rolls_the_switch_back(tmp_p
     def swap_then_load(self, p, *args, **kwargs):
         if p == path and not swapped:  # the switch looked at the file; now it loads
             swapped.append(p)
-            _to_fifo(path)
+            to_fifo(path)
         return real_load(self, p, *args, **kwargs)
 
     try:
@@ -128,7 +122,7 @@ def test_a_calbin_replaced_after_the_drivers_look_is_loaded_as_looked_at(tmp_pat
         result = real_fstat(fd, *args, **kwargs)
         if result.st_ino == inode and not swapped:  # the driver looked at the calbin
             swapped.append(fd)
-            _to_fifo(path)
+            to_fifo(path)
         return result
 
     try:
