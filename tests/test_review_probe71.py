@@ -30,6 +30,7 @@ from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin
 from calexec.machines import switch_check
 from calexec.machines.chartref import ChartRefError, load_chart
+from fifo_swap import fifo_after_look
 
 
 def _bounded(call, fifo: str) -> list:
@@ -53,19 +54,7 @@ def test_a_reload_check_runs_the_loader_on_the_file_it_looked_at(tmp_path, monke
     the check reads the file looked at, and the check passes, as the switch's load would."""
     path = str(tmp_path / "next.calbin")
     calbin.write(path, calbin.default_spec())
-    inode = os.stat(path).st_ino
-    real_fstat = os.fstat
-    swapped: list[int] = []
-
-    def fstat_then_swap(fd, *args, **kwargs):
-        result = real_fstat(fd, *args, **kwargs)
-        if result.st_ino == inode and not swapped:  # the check looked at the calbin
-            swapped.append(fd)
-            os.unlink(path)
-            os.mkfifo(path)
-        return result
-
-    monkeypatch.setattr(os, "fstat", fstat_then_swap)
+    swapped = fifo_after_look(monkeypatch, path)  # once the check looked at the calbin
     answered = _bounded(lambda: switch_check.check_calbin(
         CalRT.load(), load_manifest(default_manifest_path()), path), path)
     monkeypatch.undo()

@@ -19,7 +19,7 @@ from calexec.drivers.calrt.runtime import CalRT, Device
 from calexec.drivers.serving.service import ServerConfig
 from calexec.drivers.synthetic import calbin
 from calexec.machines import switch_check
-from fifo_swap import to_fifo
+from fifo_swap import fifo_after_look, to_fifo
 from test_server_support import started_executor
 
 
@@ -114,19 +114,8 @@ def test_a_calbin_replaced_after_the_drivers_look_is_loaded_as_looked_at(tmp_pat
     executor = started_executor(tmp_path)
     path = str(tmp_path / "next.calbin")
     calbin.write(path, calbin.default_spec())
-    inode = os.stat(path).st_ino
-    real_fstat = os.fstat
-    swapped: list[int] = []
-
-    def fstat_then_swap(fd, *args, **kwargs):
-        result = real_fstat(fd, *args, **kwargs)
-        if result.st_ino == inode and not swapped:  # the driver looked at the calbin
-            swapped.append(fd)
-            to_fifo(path)
-        return result
-
     try:
-        monkeypatch.setattr(os, "fstat", fstat_then_swap)
+        swapped = fifo_after_look(monkeypatch, path)  # once the driver looked at the calbin
         answered = _bounded(lambda: executor.switch_model(path), path)
         monkeypatch.undo()
         assert swapped, "nothing looked at the opened calbin before loading it"
