@@ -298,8 +298,8 @@ class Parser(argparse.ArgumentParser):
         switch = re.fullmatch(r"argument (?:-\w/)?(--[\w-]+): ignored explicit argument (.*)",
                               message)
         if switch:  # (--png=d: "ignored" read as if the run went on without it)
-            message += (f" (refused: {switch[1]} is a switch and takes no value: give "
-                        f"{switch[1]} alone)")
+            message = (f"argument {switch[1]}: ignored explicit argument {switch[2]} (refused: "
+                       f"{switch[1]} is a switch and takes no value: give {switch[1]} alone)")
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
             words = message.split(":", 1)[1].split()

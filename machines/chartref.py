@@ -68,6 +68,20 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     class_name = env_text(class_name)
     if sep:
         ref = f"{module_name}:{class_name}"
+    if "\\" in module_name and os.sep != "\\":
+        # orders\workflow.py:X, a path as Windows writes it: no module name has a backslash,
+        # and the hints below took it for one ("e.g. orders\workflow:X")
+        root = os.path.abspath(cwd or os.getcwd())
+        posix = module_name.replace("\\", "/")
+        dotted = _module_under(root, posix)
+        guess = dotted or os.path.splitext(posix)[0].strip("/").replace("/", ".")
+        file = posix if posix.endswith(".py") else posix + ".py"
+        there = (f"the file {file} is there" if dotted is not None
+                 else f"no file {file} is there either")
+        raise ChartRefError(ref, f"{module_name!r} is a Windows path (a backslash), not a "
+                                 f"module name: name the module with dots, as imported from "
+                                 f"{root} ({there}), and the class after a colon, e.g. "
+                                 f"{guess}:{class_name or 'CLASS'}")
     if not sep or not module_name or not class_name:
         head, _, tail = ref.rpartition(".")
         as_python = not sep and tail.isidentifier() and all(

@@ -132,3 +132,72 @@ def test_diagrams_live_interrupted_in_its_warm_up_shuts_its_executor_down(tmp_pa
     assert "Traceback" not in err_text, err_text
     assert out == b""
     assert not (tmp_path / "live.png").exists()
+
+
+# ---- one line naming the flag, its value and what to give -----------------------------------
+ORDER_WORKFLOW = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "examples", "charts", "order_workflow.py")
+CHART = "order_workflow:OrderWorkflow"
+
+#: (command line, what its one line says besides the command's name), each exit 2
+MESSAGES = {
+    "mutate-test-cmd-dash": (
+        ["charts", "mutate", "--chart", CHART, "--test-cmd", "-"],
+        ["--test-cmd='-': '-' is no program", "give the command that tests the chart"]),
+    "cover-command-dash": (
+        ["charts", "cover", "--chart", CHART, "--", "-"],
+        ["test command '-': '-' is no program", "give it after `--`"]),
+    "cover-test-cmd": (
+        ["charts", "cover", "--chart", CHART, "--test-cmd", "python -m pytest"],
+        ["--test-cmd: charts cover takes no --test-cmd", "give the test command after `--`"]),
+    "windows-path-no-file": (
+        ["charts", "draw", "orders\\workflow.py:X"],
+        ["'orders\\\\workflow.py' is a Windows path", "no file orders/workflow.py",
+         "e.g. orders.workflow:X"]),
+    "windows-path-of-a-file": (
+        ["charts", "mutate", "--chart", "shop\\orders.py:OrderWorkflow", "--test-cmd", "true"],
+        ["--chart='shop\\\\orders.py:OrderWorkflow': 'shop\\\\orders.py' is a Windows path",
+         "the file shop/orders.py is there", "e.g. shop.orders:OrderWorkflow"]),
+    "equivalent-not-toml": (
+        ["charts", "mutate", "--chart", CHART, "--test-cmd", "true", "--equivalent", "passwd"],
+        ["--equivalent='", "/passwd': not TOML (", "give a TOML file of [[mutant]] tables"]),
+    "equivalent-other-toml": (
+        ["charts", "mutate", "--chart", CHART, "--test-cmd", "true", "--sample", "1",
+         "--equivalent", "pyproject.toml"],
+        ["--equivalent='", "/pyproject.toml': no list of equivalent mutants (it has 'project'",
+         "give a TOML file of [[mutant]] tables"]),
+    "help-value": (
+        ["--help=1"], ["argument --help: ", "--help is a switch and takes no value: give "
+                                           "--help alone"]),
+    "command-help-value": (
+        ["demo", "--help=1"], ["argument --help: ", "give --help alone"]),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_bad_input_is_one_line_naming_the_flag_its_value_and_what_to_give(
+        tmp_path, monkeypatch, capsys, case):
+    """``charts mutate --test-cmd -`` ran ``-`` (``cannot run '-': No such file or
+    directory``), ``charts cover -- -`` too, and ``charts cover --test-cmd CMD`` was
+    ``unrecognized arguments``; a chart named by a Windows path (``orders\\workflow.py:X``)
+    was told to write ``orders\\workflow:X``, a module name no import takes; ``--equivalent``
+    given a file that is not TOML said only the parser's ``Expected '=' after a key``, and a
+    TOML file of another kind (pyproject.toml) was taken as an empty list; ``--help=1`` was
+    argparse's ``argument -h/--help: ignored explicit argument '1'``. Each is now one line
+    naming the flag and its value and what to give, exit 2."""
+    from calexec import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "order_workflow.py").write_text(open(ORDER_WORKFLOW, encoding="utf-8").read())
+    (tmp_path / "shop").mkdir()
+    (tmp_path / "shop" / "orders.py").write_text((tmp_path / "order_workflow.py").read_text())
+    (tmp_path / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "shop"\n')
+    argv, says = MESSAGES[case]
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    assert out == ""
+    assert len(err.splitlines()) == 1, err
+    for part in says:
+        assert part in err, (part, err)

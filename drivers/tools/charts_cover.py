@@ -152,13 +152,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("command", nargs="*", metavar="COMMAND",
                         help="the test command, after `--` (e.g. -- python -m pytest -q)")
     parser.command_after = "--chart MODULE:CLASS"
-    args = parser.parse_args(argv[2:])
+    words = argv[2:]
+    before = words[:words.index("--")] if "--" in words else words
+    if any(w.partition("=")[0] == "--test-cmd" for w in before):
+        # (charts mutate's flag: "unrecognized arguments: --test-cmd" said nothing of `--`)
+        raise UserError("--test-cmd: charts cover takes no --test-cmd (that is charts "
+                        "mutate's): give the test command after `--`, e.g. calexec charts "
+                        "cover --chart MODULE:CLASS -- python -m pytest -q")
+    args = parser.parse_args(words)
     minimum = _minimum(args.min)
     if not args.command:
         raise UserError("no test command: give it after `--` (e.g. -- python -m pytest -q)")
     if not args.command[0].strip():  # ('' was "Permission denied", naming nothing)
         raise UserError(f"test command {args.command[0]!r}: empty program name (the word after "
                         f"`--` is the program to run, e.g. -- python -m pytest -q)")
+    if args.command[0] == "-":  # (was run: "No such file or directory")
+        raise UserError("test command '-': '-' is no program (the test command is run, never "
+                        "read from stdin): give it after `--`, e.g. -- python -m pytest -q")
     charts: list[CompiledChart] = []
     for ref in dict.fromkeys(args.chart):
         if "," in ref:

@@ -496,6 +496,10 @@ MAX_SIGNAL = signal.NSIG - 1
 #: the largest --equivalent file read
 EQUIVALENT_MAX_BYTES = 16 * 1024 * 1024
 
+#: what an --equivalent file must be, in a refusal of one
+EQUIVALENT_GIVE = (f"give a TOML file of [[mutant]] tables, each with chart, id and reason "
+                   f"(as {DEFAULT_EQUIVALENT})")
+
 
 def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
@@ -728,6 +732,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--test-cmd={command_text!r}: {err}") from None
         if not command:
             raise ValueError(f"--test-cmd={command_text!r}: empty command")
+        if command[0] == "-":  # (was run: "cannot run '-': No such file or directory")
+            raise ValueError(f"--test-cmd={command_text!r}: '-' is no program (the test "
+                             f"command is run, never read from stdin): give the command that "
+                             f"tests the chart, e.g. --test-cmd 'python -m pytest -q tests'")
         if args.report:
             try:  # before the run, not after it: a report that cannot be written is bad input
                 cliargs.output_dir("--report", args.report, REPORT_FILES)
