@@ -132,6 +132,10 @@ THREADS_EXIT_S = 1.0
 #: long for it, beyond the grace: that holder makes no runtime call before it lets go
 OWNERLESS_WAIT_S = 1.0
 
+#: the grace of the shutdown that follows a ``start()`` raising (a KeyboardInterrupt in its
+#: warm-up): a golden job on the device drains within it, as at any shutdown
+INTERRUPTED_START_GRACE_S = 5.0
+
 #: the lifecycles ``start`` ran in this process: a forked child marks each one
 #: (``_forked_child``), whose threads and device stay with the parent
 _STARTED: weakref.WeakSet[DeviceLifecycle] = weakref.WeakSet()
@@ -473,8 +477,17 @@ class DeviceLifecycle:
             self._started = True
             self.started_in = os.getpid()
             _STARTED.add(self)
+        raised = False
         try:
             status = self._start_once()
+        except BaseException:
+            # (what ``_start_once``'s barrier does not take: a KeyboardInterrupt, a Ctrl-C or a
+            # SIGTERM a command made one, landing in the warm-up; a SystemExit) the lifecycle
+            # was left Configuring or Warming, the threads running and the device open, and
+            # the caller, given no Status, shut nothing down: every calexec command but demo
+            # called start() before the ``try`` that shuts down. Shut down below, then raise
+            raised = True
+            raise
         finally:
             owed = None
             self._start_running = False  # then wake a shutdown that saw it running
@@ -486,7 +499,25 @@ class DeviceLifecycle:
                 with self.mu:
                     owed, self._start_owed = self._start_owed, None
                 self._start_done.set()
+            if raised:
+                self._shut_down_raised_start(INTERRUPTED_START_GRACE_S if owed is None
+                                             else owed)
         return status if owed is None else self._complete_start_owed(status, owed)
+
+    def _shut_down_raised_start(self, grace: float) -> None:
+        """(the start's thread, ``start`` raising) Shut the executor down with ``grace``
+        unless its lifecycle already ended; a failure to is logged, never raised over the
+        exception the start raises (a second Ctrl-C meanwhile still ends the wait)."""
+        if self.run.final:
+            return
+        try:
+            status = self.shutdown(grace)
+        except Exception as exc:  # noqa: BLE001 - the start's own exception goes on
+            log.error("start() raised; the shutdown after it raised %s: %s",
+                      type(exc).__name__, exc)
+            return
+        log.info("start() raised before it returned a Status: the executor was shut down "
+                 "(%s)", status)
 
     def _complete_start_owed(self, status: Status, grace: float) -> Status:
         """(the start's thread, the start ended) A ``shutdown`` answered

@@ -98,6 +98,27 @@ def _read_until(stream, marker: str, timeout: float) -> str:
     return seen.decode(errors="replace")
 
 
+def _interrupted_in_warm_up(argv: list[str], cwd, env: dict[str, str] | None = None
+                            ) -> tuple[int, bytes, str]:
+    """``calexec ARGV`` in a child whose executor's warm-up stops at a barrier, where a SIGINT
+    (a Ctrl-C) lands: (exit code, stdout, stderr). Every wait bounded."""
+    env = dict(os.environ if env is None else env)
+    env.pop("CALEXEC_DEBUG", None)
+    child = subprocess.Popen([sys.executable, "-W", "always::ResourceWarning", "-c",
+                              WARM_UP_BARRIER, *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+    try:
+        before = _read_until(child.stderr, "probe72: warming up", 120)
+        assert "probe72: warming up" in before, before
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    return child.returncode, out, before + err.decode(errors="replace")
+
+
 def test_diagrams_live_interrupted_in_its_warm_up_shuts_its_executor_down(tmp_path):
     """``calexec diagrams live`` interrupted (Ctrl-C) while its executor warmed up (the start's
     golden run, before the server and the load) left the executor as it was: never shut
@@ -110,28 +131,36 @@ def test_diagrams_live_interrupted_in_its_warm_up_shuts_its_executor_down(tmp_pa
     (fake / "chromium").write_text("#!/bin/sh\nexit 1\n")
     (fake / "chromium").chmod(0o755)
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("CALEXEC_DEBUG", None)
-    child = subprocess.Popen(
-        [sys.executable, "-W", "always::ResourceWarning", "-c", WARM_UP_BARRIER,
-         "diagrams", "live", "--out", str(tmp_path / "live.png"), "--job-out", "",
-         "--seconds", "1", "--clients", "1"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        cwd=tmp_path)
-    try:
-        before = _read_until(child.stderr, "probe72: warming up", 120)
-        assert "probe72: warming up" in before, before
-        child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=120)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
-    err_text = err.decode(errors="replace")
-    assert child.returncode == 130, (child.returncode, before, err_text)
-    assert "never shut down" not in err_text, err_text
-    assert "Traceback" not in err_text, err_text
+    code, out, err = _interrupted_in_warm_up(
+        ["diagrams", "live", "--out", str(tmp_path / "live.png"), "--job-out", "",
+         "--seconds", "1", "--clients", "1"], tmp_path, env)
+    assert code == 130, (code, err)
+    assert "never shut down" not in err, err
+    assert "Traceback" not in err, err
     assert out == b""
     assert not (tmp_path / "live.png").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "recovery", "--json", "--recoveries", "1"],
+    ["bench", "pingpong", "--json", "--seqs", "1", "--tokens", "2", "--solo-tokens", "2"],
+    ["serve", "--once", "--port", "0"],
+], ids=lambda argv: "-".join(argv[:2]))
+def test_a_command_interrupted_in_its_executors_warm_up_shuts_it_down(tmp_path, argv):
+    """Every command that starts an executor (``serve``, ``bench``, ``accept``, ``golden
+    record``, ...) interrupted while its start warmed up left it unshut as ``diagrams live``
+    did: ``DeviceExecutor.start()`` raised the KeyboardInterrupt with the lifecycle Warming,
+    its threads running and its device open, and the caller, given no executor state to act
+    on, shut nothing down (most called ``start()`` before their ``try``). A start that an
+    exception its barrier does not take (KeyboardInterrupt, SystemExit) ends now shuts the
+    executor down before it raises it."""
+    code, out, err = _interrupted_in_warm_up(argv, tmp_path)
+    assert code == 130, (code, err)
+    assert "never shut down" not in err, err
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines()
+            if line.strip() and not line.startswith(("probe72:", "INJECTED"))] == [
+        f"calexec {' '.join(argv[:2]) if argv[0] == 'bench' else argv[0]}: interrupted"], err
 
 
 # ---- one line naming the flag, its value and what to give -----------------------------------
