@@ -118,19 +118,6 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
                                  "that declares it (e.g. order_workflow:OrderWorkflow)" + hint)
     root = os.path.abspath(cwd or os.getcwd())
-    slashed = module_name.replace("\\", "/")
-    if "\\" in module_name and os.sep != "\\" and (
-            os.path.exists(os.path.join(root, slashed))
-            or os.path.exists(os.path.join(root, slashed + ".py"))):
-        # orders\workflow.py:Flow, a path written as Windows writes it (copied from a
-        # colleague's command): until stop 72 it was told to give orders\workflow:Flow, which
-        # names no module either; said as for orders/workflow.py:Flow
-        try:
-            load_chart(f"{slashed}:{class_name}", cwd)
-        except ChartRefError as err:
-            raise ChartRefError(ref, f"{module_name!r} is a path written with backslashes, "
-                                f"which name no directory here: as {slashed!r}, "
-                                f"{err.reason}") from None
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
         directory = os.path.join(root, module_name)

@@ -510,10 +510,15 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     except cliargs.UserError as err:
         raise ValueError(str(err)) from None
     except tomllib.TOMLDecodeError as err:  # (until stop 72 the parser's words alone: a
-        # chart's .py given there read "Expected '=' after a key in a key/value pair")
+        # chart's .py or /etc/passwd given there read "Expected '=' after a key in a key/value
+        # pair", saying neither that TOML was expected nor what the file should hold)
         raise ValueError(f"--equivalent={str(path)!r}: not TOML ({err}); expected a TOML list "
-                         f"of equivalent mutants, [[mutant]] tables of chart, id and reason "
-                         f"(docs/chart_mutants_equivalent.toml is one)") from err
+                         f"of equivalent mutants: {EQUIVALENT_GIVE}") from err
+    other = sorted(key for key in data if key != "mutant")
+    if other:  # (pyproject.toml: TOML, no [[mutant]] table, taken as an empty list)
+        shown = ", ".join(repr(k) for k in other[:3]) + (", ..." if len(other) > 3 else "")
+        raise ValueError(f"--equivalent={str(path)!r}: no list of equivalent mutants (it has "
+                         f"{shown}, not [[mutant]] tables only): {EQUIVALENT_GIVE}")
     entries = data.get("mutant", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"--equivalent={str(path)!r}: 'mutant' must be [[mutant]] tables "
