@@ -117,7 +117,36 @@ NOT_SERVED: dict[str, str] = {
                      "/v1/containers", "/v1/evals", "/v1/chat/completions/"),
                     "this server stores nothing (files, batches, stored completions, "
                     "conversations, assistants): send each request whole"),
+    # the SDK's responses.compact: under the stored-response route /v1/responses/{id}, which
+    # takes GET and DELETE, so a POST was that route's 405 naming them (as if "compact" were
+    # a response's id) until stop 72
+    "/v1/responses/compact": "compaction is not performed by this server (a compacted "
+                             "conversation is made of OpenAI's encrypted items, which no model "
+                             "here reads): send the whole conversation in input",
 }
+
+#: (method, path) of an OpenAI endpoint that shares its path with a route served here for
+#: another method -> why it is not served, said after the 405's ``method not allowed``
+#: (its ``Allow`` stays: the path is served, for those methods). ``WEBSOCKET``: the
+#: request asks to upgrade to a WebSocket (``calexec serve`` speaks none: the handshake is
+#: served as a plain request)
+WEBSOCKET = "websocket"
+NOT_ALLOWED_WHY: dict[tuple[str, str], str] = {
+    # the SDK's chat.completions.list (its retrieve, update, delete: NOT_SERVED's 404)
+    ("GET", "/v1/chat/completions"): "the stored chat completions are not listed: this "
+                                     "server stores nothing (store is accepted, nothing is "
+                                     "kept)",
+    # the SDK's responses.connect(): the Responses WebSocket mode
+    (WEBSOCKET, "/v1/responses"): "the Responses WebSocket mode (the SDK's "
+                                  "responses.connect()) is not served: POST /v1/responses, "
+                                  "with stream: true for its events as server-sent events",
+}
+
+
+def not_allowed_why(method: str, path: str, websocket: bool = False) -> str | None:
+    """Why the OpenAI endpoint ``method path`` (a path served for other methods) is not
+    served here, or None (:data:`NOT_ALLOWED_WHY`)."""
+    return NOT_ALLOWED_WHY.get((WEBSOCKET if websocket else method, path))
 
 
 def not_served(path: str) -> str | None:
@@ -170,21 +199,29 @@ def slash_slip(path: str, routes: Iterable[str]) -> str | None:
 def route_error(method: str, path: str, http_status: int,
                 headers: dict[str, str] | None = None,
                 meant: tuple[str, bool] | None = None,
-                routes: Iterable[str] = ()) -> JSONResponse:
+                routes: Iterable[str] = (), websocket: bool = False) -> JSONResponse:
     """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
     path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``.
     ``meant``: (the route the path reaches with ``/v1`` once, :func:`under_v1`; whether it
     takes ``method``), which the 404 names (a client's base URL without ``/v1`` was told only
     "no such route"). Otherwise a 404 whose path is one of ``routes`` but for a doubled or
     trailing slash says which (:func:`slash_slip`): until stop 71 ``POST //v1/completions:
-    no such route`` alone."""
+    no such route`` alone. A 405 of an OpenAI endpoint not served here (the path served for
+    other methods) says why (:func:`not_allowed_why`; ``websocket``: the request asked to
+    upgrade to one); a 405 whose path is an endpoint not served (:func:`not_served`: a path a
+    parameter route takes for other methods, ``POST /v1/responses/compact``) is that
+    endpoint's 404, without the parameter route's ``Allow``."""
+    if http_status == 405 and not_served(path) is not None:
+        http_status = 404
+        headers = {k: v for k, v in (headers or {}).items() if k.lower() != "allow"}
     near = slash_slip(path, routes) if http_status == 404 and meant is None else None
+    why_not = not_allowed_why(method, path, websocket) if http_status == 405 else None
     path = path[:200]
     if http_status == 405:
         allowed = (headers or {}).get("allow") or (headers or {}).get("Allow") or "?"
         status = Status.failure("request.method_not_allowed", Category.INVALID_REQUEST,
                                 Phase.VALIDATE, f"{method} {path}: method not allowed "
-                                f"(allowed: {allowed})")
+                                f"(allowed: {allowed})" + (f": {why_not}" if why_not else ""))
     elif meant is not None:
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                                 f"{method} {path}: no such route: "

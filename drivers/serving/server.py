@@ -149,8 +149,13 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         under = error_bodies.under_v1(path) if exc.status_code == 404 else None
         match = Match.NONE if under is None else _routed(app, request.scope, under)
         meant = None if under is None or match is Match.NONE else (under, match is Match.FULL)
+        # a WebSocket handshake (RFC 6455 section 4.1: its key and version fields, which stay
+        # when its Upgrade is dropped to serve it as a plain request, ``abortable``)
+        websocket = "sec-websocket-key" in request.headers or (
+            request.headers.get("upgrade", "").lower() == error_bodies.WEBSOCKET)
         return route_error(request.method, request.url.path, exc.status_code,
-                           dict(exc.headers or {}), meant, routes=fixed_paths())
+                           dict(exc.headers or {}), meant, routes=fixed_paths(),
+                           websocket=websocket)
 
     def fixed_paths() -> list[str]:
         """The paths of the app's routes that take no path parameter (a 404's "did you mean")."""
