@@ -92,3 +92,102 @@ def test_the_sdks_responses_websocket_mode_is_told_it_is_not_served(serve_like, 
             pass
     assert caught.value.response.status_code == 405
     assert b"WebSocket" in bytes(caught.value.response.body)
+
+
+# ---- the SDK's Responses items and tools sent back with every field ------------------------------
+#: a function tool the synthetic model calls with whole arguments under "required"
+ADD = {"type": "function", "name": "add", "description": "add", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"], "additionalProperties": False}}
+
+
+def _called(sdk):
+    """A Response whose output is one function call of ``ADD``."""
+    answer = sdk.responses.create(model=MODEL, input="add", tools=[ADD], tool_choice="required",
+                                  parallel_tool_calls=False, max_output_tokens=100)
+    assert [item.type for item in answer.output] == ["function_call"], answer.output
+    return answer
+
+
+def test_the_sdks_output_items_dumped_whole_are_taken_back_as_input(sdk):
+    """The SDK (3.51) declares on a ``function_call`` item ``async``, ``caller`` and
+    ``namespace`` (on its output type and its input ``ResponseFunctionToolCallParam``), and on
+    a ``function_call_output`` input ``caller``, ``name`` and ``namespace``. A client sending
+    the previous output back dumped whole (``item.model_dump(by_alias=True)``, ``mode="json"``:
+    ``"async": null, "caller": null, "namespace": null``) or writing the output item with
+    its function's ``name`` and ``caller: {"type": "direct"}`` was refused, 400 ``input[1].async:
+    unknown key of a function_call item``, though every value said what the server does.
+    Those neutral values are now taken (the next turn is the same conversation as without
+    them); a value that asks for what this server does not do is refused naming it (next
+    test)."""
+    answer = _called(sdk)
+    call = answer.output[0]
+    plain = [{"role": "user", "content": "add"}, *answer.output,
+             {"type": "function_call_output", "call_id": call.call_id, "output": "3"}]
+    whole = [{"role": "user", "content": "add"},
+             *[item.model_dump(mode="json", by_alias=True) for item in answer.output],
+             {"type": "function_call_output", "call_id": call.call_id, "output": "3",
+              "name": call.name, "caller": {"type": "direct"}, "namespace": None}]
+    assert {"async", "caller", "namespace"} <= set(whole[1]), whole[1]
+    replies = [sdk.responses.create(model=MODEL, input=items, tools=[ADD], max_output_tokens=6)
+               for items in (plain, whole)]
+    assert replies[0].output_text == replies[1].output_text
+    assert replies[0].usage.input_tokens == replies[1].usage.input_tokens
+
+
+@pytest.mark.parametrize(("where", "key", "value", "words"), [
+    ("call", "async", True, "asynchronous"),
+    ("call", "caller", {"type": "program", "caller_id": "ci_1"}, "programmatic"),
+    ("call", "namespace", "tools", "namespace"),
+    ("output", "caller", {"type": "program", "caller_id": "ci_1"}, "programmatic"),
+    ("output", "namespace", "tools", "namespace"),
+    ("output", "name", 7, "string"),
+])
+def test_an_items_field_asking_what_is_not_served_is_refused_naming_it(sdk, where, key, value,
+                                                                       words):
+    answer = _called(sdk)
+    call = answer.output[0].model_dump(mode="json", by_alias=True, exclude_none=True)
+    output = {"type": "function_call_output", "call_id": call["call_id"], "output": "3"}
+    (call if where == "call" else output)[key] = value
+    index = 1 if where == "call" else 2
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.responses.create(model=MODEL, input=[{"role": "user", "content": "add"}, call, output],
+                             tools=[ADD], max_output_tokens=6)
+    error = caught.value.body
+    assert error["param"] == f"input.{index}.{key}", error
+    assert error["message"].startswith(f"input[{index}].{key}="), error
+    assert words in error["message"], error
+
+
+def test_the_sdks_function_tool_dumped_whole_is_taken(sdk):
+    """The SDK's Responses ``FunctionTool`` (3.51) has ``allowed_callers``, ``async``,
+    ``defer_loading`` and ``output_schema`` beside chat's fields: the tools echoed in a
+    Response and sent again dumped whole (``tool.model_dump(by_alias=True)``: all null), or
+    written with ``defer_loading: false`` or ``allowed_callers: ["direct"]``, were a 400
+    ``tools.0.allowed_callers: unknown field``. Their neutral values are now taken (the same
+    answer as without them); others are refused naming the field."""
+    answer = _called(sdk)
+    echoed = answer.tools[0].model_dump(mode="json", by_alias=True)
+    assert {"allowed_callers", "async", "defer_loading", "output_schema"} <= set(echoed)
+    written = {**ADD, "defer_loading": False, "async": False, "allowed_callers": ["direct"]}
+    # (the rendered prompt writes a tool's keys in their order: each is compared with the
+    # tool of the same keys, in the same order, without those fields)
+    for tool, alone in ((echoed, answer.tools[0].model_dump(mode="json", exclude_none=True)),
+                        (written, ADD)):
+        again, plain = (sdk.responses.create(
+            model=MODEL, input="add", tools=[each], tool_choice="required",
+            parallel_tool_calls=False, max_output_tokens=100) for each in (tool, alone))
+        assert [(o.name, o.arguments) for o in again.output] == [
+            (o.name, o.arguments) for o in plain.output]
+        assert again.usage.input_tokens == plain.usage.input_tokens
+    for key, value, words in (("defer_loading", True, "tool search"),
+                              ("async", True, "asynchronous"),
+                              ("allowed_callers", ["programmatic"], "directly"),
+                              ("output_schema", {"type": "string"}, "output_schema")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.responses.create(model=MODEL, input="add", tools=[{**ADD, key: value}],
+                                 max_output_tokens=6)
+        error = caught.value.body
+        assert error["param"] == f"tools.0.{key}", error
+        assert error["message"].startswith(f"tools[0].{key}="), error
+        assert words in error["message"], error

@@ -22,7 +22,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import attrs
@@ -55,6 +55,56 @@ ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "id", "call_id", "name", "arguments", "status",
                                "parsed_arguments"},
              "function_call_output": {"type", "id", "call_id", "output", "status"}}
+
+
+def _direct(value: Any) -> bool:
+    return value is None or value == {"type": "direct"}
+
+
+def _not_true(value: Any) -> bool:
+    return value is None or value is False
+
+
+#: fields the SDK (openai 3.51) declares on an input item or a function tool beyond what
+#: this server reads, taken at the values that say what the server does (a client sends its
+#: items and tools back dumped whole, ``model_dump(by_alias=True)``: every one null), refused
+#: otherwise: kind -> key -> (accepted?, why refused). Until stop 72 every one was an
+#: unknown key, null included
+NEUTRAL_KEYS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "function_call": {
+        "async": (_not_true, "asynchronous function calls are not supported (null or false)"),
+        "caller": (_direct, "only calls the model made directly (null or {\"type\": "
+                   "\"direct\"}): programmatic tool calling is not supported"),
+        "namespace": (lambda v: v is None, "a function in a namespace is not served (the "
+                      "tools here are flat function tools): null")},
+    "function_call_output": {
+        "caller": (_direct, "only outputs of calls the model made directly (null or "
+                   "{\"type\": \"direct\"}): programmatic tool calling is not supported"),
+        "namespace": (lambda v: v is None, "a function in a namespace is not served (the "
+                      "tools here are flat function tools): null"),
+        # the function's name: call_id already ties the output to its call
+        "name": (lambda v: v is None or isinstance(v, str), "must be a string or null")},
+    "tool": {
+        "async": (_not_true, "asynchronous function calls are not supported (null or false)"),
+        "allowed_callers": (lambda v: v is None or (isinstance(v, list) and "direct" in v),
+                            "the model here calls functions directly only: null or a list "
+                            "with \"direct\""),
+        "defer_loading": (_not_true, "tool search is not supported: a deferred function "
+                          "would never be loaded (null or false)"),
+        "output_schema": (lambda v: v is None, "a function's output_schema is not supported "
+                          "(null)")},
+}
+
+
+def _neutral(kind: str, item: dict[str, Any], at: str, param: str) -> dict[str, Any]:
+    """``item`` without its :data:`NEUTRAL_KEYS` of ``kind``, each checked (a value asking
+    for what this server does not do: :class:`Refusal` naming ``at.KEY`` / ``param.KEY``)."""
+    keys = NEUTRAL_KEYS[kind]
+    for key in sorted(set(item) & set(keys)):
+        accepted, why = keys[key]
+        if not accepted(item[key]):
+            raise refuse(f"{at}.{key}={shown(item[key], 80)}: {why}", f"{param}.{key}")
+    return {k: v for k, v in item.items() if k not in keys}
 #: text parts of a message's content (an assistant's as the server sent them: annotations,
 #: logprobs, and the SDK's ``parsed`` of responses.parse, all ignored)
 TEXT_PARTS = ("input_text", "output_text")
@@ -302,6 +352,8 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
                          "function_call, function_call_output (item references and built-in "
                          "tools' items are not supported: nothing is stored)",
                          f"input.{i}.type")
+        if kind in NEUTRAL_KEYS:
+            item = _neutral(kind, item, f"input[{i}]", f"input.{i}")
         extra = sorted(set(item) - keys)
         if extra:
             raise refuse(f"input[{i}].{extra[0][:80]}: unknown key of a {kind} item, refused",
@@ -343,6 +395,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
             raise refuse(f"tools[{i}].type={shown(tool.get('type'), 80)}: only function tools "
                          "are supported (no built-in tools: web_search, file_search, "
                          "code_interpreter, computer_use, mcp, ...)", f"tools.{i}.type")
+        tool = _neutral("tool", tool, f"tools[{i}]", f"tools.{i}")
         out.append({"type": "function",
                     "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
