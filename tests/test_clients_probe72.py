@@ -191,3 +191,30 @@ def test_the_sdks_function_tool_dumped_whole_is_taken(sdk):
         assert error["param"] == f"tools.0.{key}", error
         assert error["message"].startswith(f"tools[0].{key}="), error
         assert words in error["message"], error
+
+
+def test_responses_tool_choice_auto_without_tools_is_the_default_it_echoes(sdk):
+    """A Response without tools says ``tool_choice: "auto"`` (OpenAI's default, echoed), and
+    the same value sent back (``tool_choice=previous.tool_choice``; a framework sending
+    ``"auto"`` whatever its tool list, empty included) was a 400 ``tool_choice="auto": needs
+    tools``: vLLM's ``/v1/responses`` defaults it to ``"auto"`` and takes it without tools.
+    ``"auto"`` without tools is now the default it is on ``/v1/responses`` (the same answer
+    as without it); ``"required"`` or a named function without tools stays a 400 naming
+    ``tool_choice``, and chat keeps OpenAI's refusal of any choice without tools."""
+    plain = sdk.responses.create(model=MODEL, input="hello", max_output_tokens=4)
+    assert plain.tool_choice == "auto" and plain.tools == []
+    for extra in ({"tool_choice": plain.tool_choice}, {"tool_choice": "auto", "tools": []}):
+        again = sdk.responses.create(model=MODEL, input="hello", max_output_tokens=4, **extra)
+        assert again.output_text == plain.output_text and again.tool_choice == "auto"
+        assert again.usage.input_tokens == plain.usage.input_tokens
+    counted = sdk.responses.input_tokens.count(model=MODEL, input="hello", tool_choice="auto")
+    assert counted.input_tokens == plain.usage.input_tokens
+    for choice in ("required", {"type": "function", "name": "add"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.responses.create(model=MODEL, input="hello", max_output_tokens=4,
+                                 tool_choice=choice)
+        assert caught.value.body["param"] == "tool_choice", caught.value.body
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=4, tool_choice="auto")
+    assert caught.value.body["param"] == "tool_choice", caught.value.body

@@ -520,7 +520,11 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
         "model": body.model, "messages": messages_of(body), "stream": body.stream,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "tools": chat_tools(body.tools),
-        "tool_choice": chat_tool_choice(body.tool_choice),
+        # "auto" without tools: the default every Response echoes, taken as vLLM's
+        # /v1/responses takes it (chat keeps OpenAI's refusal of a choice without tools; a
+        # 400 here until stop 72, so a Response's own tool_choice sent back was refused)
+        "tool_choice": None if body.tool_choice == "auto" and not body.tools
+        else chat_tool_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": response_format(body.text), "timeout": body.timeout,
         "seed": body.seed, "user": body.user}
