@@ -218,3 +218,33 @@ def test_responses_tool_choice_auto_without_tools_is_the_default_it_echoes(sdk):
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                     max_tokens=4, tool_choice="auto")
     assert caught.value.body["param"] == "tool_choice", caught.value.body
+
+
+def test_a_responses_body_of_a_responses_own_fields_is_taken(sdk):
+    """Every request parameter of the SDK's ``responses.create`` a Response echoes, sent back
+    as it echoes them (a client repeating a request from the Response's own settings, or
+    passing each parameter with null for "not given"), is taken: ``access_programs``,
+    ``image`` and ``moderation`` (the SDK 3.51's, echoed null) were each a 400 ``unknown
+    parameter``, null included, where chat takes ``moderation: null``. Null is now "not
+    given" for them, as for every other field; a value is refused naming it and why."""
+    import inspect
+
+    from openai.resources.responses import Responses
+
+    names = set(inspect.signature(Responses.create).parameters) - {
+        "self", "extra_headers", "extra_query", "extra_body", "timeout", "stream", "input"}
+    first = sdk.responses.create(model=MODEL, input="hello", max_output_tokens=4)
+    echoed = {k: v for k, v in first.model_dump(mode="json", by_alias=True).items()
+              if k in names}
+    assert {"access_programs", "image", "moderation"} <= set(echoed), sorted(echoed)
+    again = sdk.responses.create(input="hello", **echoed)
+    assert again.output_text == first.output_text
+    for key, value, words in (("moderation", {"model": "omni-moderation-latest"},
+                               "moderation is not performed"),
+                              ("image", {"context_compression": "enabled"}, "text only"),
+                              ("access_programs", {"programs": ["x"]}, "not supported")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            sdk.responses.create(model=MODEL, input="hello", max_output_tokens=4,
+                                 extra_body={key: value})
+        error = caught.value.body
+        assert error["param"] == key and words in error["message"], error

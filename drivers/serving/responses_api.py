@@ -159,6 +159,11 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: Any = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)  # chat's top_logprobs
     context_management: Any = None
+    # the SDK 3.51's, echoed null in every Response: null is "not given", a value refused
+    # (:data:`NOT_SERVED_FIELDS`; unknown parameters, null included, until stop 72)
+    moderation: Any = None
+    image: Any = None
+    access_programs: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -236,9 +241,20 @@ def _check_include(include: Any) -> None:
                          f"{', '.join(sorted({LOGPROBS, *VACUOUS_INCLUDES}))}", f"include.{i}")
 
 
+#: fields of a Responses body refused unless null, and why
+NOT_SERVED_FIELDS = (
+    ("moderation", "moderation is not performed by this server"),
+    ("image", "the served model reads and writes text only (no image options)"),
+    ("access_programs", "domain-specific access programs are not supported"))
+
+
 def unsupported(body: ResponsesRequest) -> None:
     """:class:`Refusal` for the first field this server cannot honour."""
     metadata_refusal(body.metadata)
+    for name, why in NOT_SERVED_FIELDS:
+        value = getattr(body, name)
+        if value is not None:
+            raise refuse(f"{name}={shown(value, 80)}: {why}", name)
     if body.previous_response_id is not None:
         raise refuse(f"previous_response_id={shown(body.previous_response_id, 80)}: "
                      f"{NOTHING_STORED}", "previous_response_id")
