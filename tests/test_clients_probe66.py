@@ -60,7 +60,10 @@ def test_a_timeout_that_ends_a_request_says_it_ended_and_what_to_change(slow, ho
                     stream=True, **ask):
                 pass
         _told(failed.value.message, "max_tokens")
-        assert failed.value.code == "wait.deadline", failed.value.body
+        # the deadline meets the wait for the running step's job, or, on a loaded host, the
+        # executor's admission of the next one (its code admission.deadline): the request's
+        # deadline either way (stop 72: the test asked for the first alone and failed so)
+        assert failed.value.code in ("wait.deadline", "admission.deadline"), failed.value.body
     elif how == "chat":
         with pytest.raises(openai.APIStatusError) as failed:
             sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
