@@ -544,8 +544,8 @@ def chat_body(body: ResponsesRequest) -> ChatRequest:
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": response_format(body.text), "timeout": body.timeout,
         "seed": body.seed, "user": body.user}
-    if body.tool_choice not in (None, "none") and not body.tools:
-        # (chat's refusal showed the chat form it was translated into, {"type": "function",
+    if body.tool_choice not in (None, "none", "auto") and not body.tools:
+        # ("auto": taken above) (chat's refusal showed the chat form it was translated into, {"type": "function",
         # "function": {"name": ...}}, a value the client never sent)
         raise refuse(f"tool_choice={shown(body.tool_choice, 80)}: needs tools", "tool_choice")
     if body.stream:  # the usage of response.completed, and of response.failed: each chunk
