@@ -76,12 +76,16 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         dotted = _module_under(root, posix)
         guess = dotted or os.path.splitext(posix)[0].strip("/").replace("/", ".")
         file = posix if posix.endswith(".py") else posix + ".py"
+        file = file if file.isprintable() else repr(file)  # (a control character: escaped)
         there = (f"the file {file} is there" if dotted is not None
                  else f"no file {file} is there either")
+        # an example only of what import takes: dotted identifiers, an identifier for a class
+        example = (f", e.g. {guess}:{class_name if class_name.isidentifier() else 'CLASS'}"
+                   if guess and all(part.isidentifier() for part in guess.split("."))
+                   else "")
         raise ChartRefError(ref, f"{module_name!r} is a Windows path (a backslash), not a "
                                  f"module name: name the module with dots, as imported from "
-                                 f"{root} ({there}), and the class after a colon, e.g. "
-                                 f"{guess}:{class_name or 'CLASS'}")
+                                 f"{root} ({there}), and the class after a colon{example}")
     if not sep or not module_name or not class_name:
         head, _, tail = ref.rpartition(".")
         as_python = not sep and tail.isidentifier() and all(
