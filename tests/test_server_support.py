@@ -185,6 +185,15 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
     return None
 
 
+def metric_total(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The sum of the samples ``name`` whose labels include ``labels`` (0 when none): a
+    counter asked by some of its labels (``metric_value`` answers the first matching series
+    alone, which names one code of a category once several codes of it were counted)."""
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == name and (labels or {}).items() <= sample.labels.items())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
