@@ -1637,14 +1637,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
     parsed: list[Tool] = []
     for i, entry in enumerate(tools):
         where = f"tools.{i}"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            kind = entry.get("type") if isinstance(entry, dict) else entry
-            raise GrammarError(f"{where}.type", f"{where}.type={shown(kind, 40)}: only \"function\" "
-                                                "tools are supported")
-        if set(entry) - {"type", "function"}:
-            field = f"{where}.{sorted(set(entry) - {'type', 'function'})[0]}"
-            raise GrammarError(field, f"{field}: unknown field")
-        fn = entry.get("function")
+        fn = _function_entry(entry, where, "unknown field")
         if not isinstance(fn, dict):
             raise GrammarError(f"{where}.function", f"{where}.function: must be an object")
         unknown = set(fn) - {"name", "description", "parameters", "strict"}
@@ -1686,6 +1679,22 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
     if choice == "none" and not named:
         return ToolSetup((), "none", tuple(tools))
     return ToolSetup(tuple(parsed), choice, tuple(tools), named)
+
+
+def _function_entry(entry: Any, where: str, unknown: str) -> Any:
+    """``entry["function"]`` of a ``{"type": "function", "function": ...}`` entry at ``where``
+    (a tool of ``tools``, a tool ``allowed_tools`` lists); :class:`GrammarError` naming
+    ``where.type`` for another type, ``where.KEY`` (``unknown`` says what it is) for another
+    key."""
+    if not isinstance(entry, dict) or entry.get("type") != "function":
+        kind = entry.get("type") if isinstance(entry, dict) else entry
+        raise GrammarError(f"{where}.type", f"{where}.type={shown(kind, 40)}: only \"function\" "
+                                            "tools are supported")
+    extra = sorted(set(entry) - {"type", "function"})
+    if extra:
+        field = f"{where}.{extra[0][:80]}"
+        raise GrammarError(field, f"{field}: {unknown}")
+    return entry.get("function")
 
 
 #: ``tool_choice`` ``{"type": "allowed_tools", ...}``'s modes (OpenAI's)
@@ -1731,14 +1740,7 @@ def _allowed_tools(tool_choice: Any, tools: list[Tool]) -> tuple[str, tuple[Tool
     names: list[str] = []
     for i, entry in enumerate(listed):
         at = f"{where}.tools.{i}"
-        if not isinstance(entry, dict) or entry.get("type") != "function":
-            kind = entry.get("type") if isinstance(entry, dict) else entry
-            raise GrammarError(f"{at}.type", f"{at}.type={shown(kind, 40)}: only \"function\" "
-                                             "tools are supported")
-        if set(entry) - {"type", "function"}:
-            field = f"{at}.{sorted(set(entry) - {'type', 'function'})[0][:80]}"
-            raise GrammarError(field, f"{field}: unknown key")
-        fn = entry.get("function")
+        fn = _function_entry(entry, at, "unknown key")
         if not isinstance(fn, dict) or set(fn) - {"name"}:
             raise GrammarError(f"{at}.function", f"{at}.function={shown(fn, 80)}: must be "
                                                  "{\"name\": ...}, a tool's name")
