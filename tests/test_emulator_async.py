@@ -158,6 +158,26 @@ def test_stepped_mode_advances_stage_by_stage(runner):
     assert np.array_equal(runner.slot(D).logits[0, 0], _decode_ref([3]))
 
 
+def test_stepped_mode_returns_once_no_stage_is_in_progress(runner):
+    """``set_stepped(True)`` returns once the device's own threads are out of their stages,
+    so the caller's next step owns the engine. Found by CI's hypothesis run (stop 72): a
+    recovery run unstepped the device for a moment, an engine thread began the queued job's
+    compute, and the test's next ``step`` met 17 (another thread stepping the engine)."""
+    emu = runner.device.emu
+    check(emu.set_latency(decode_us=300_000), "latency")
+    assert runner.submit(D, 0, 0, tokens=[3]) == 0
+    out = runner.slot(D).outbuf
+    for _ in range(2000):  # bounded: until the engine's thread is inside the job's compute
+        if out.get_status() == (0, JobStatus.RUNNING) and emu.pending(0)[2] == Stage.COMPUTE:
+            break
+        time.sleep(0.001)
+    check(emu.set_stepped(True), "stepped")
+    rc, did = emu.step(0, Stage.JOB)
+    assert rc == 0 and did == Did.SIGNAL, (rc, did)
+    assert out.wait(0) == 0 and out.get_status() == (0, JobStatus.DONE)
+    assert np.array_equal(runner.slot(D).logits[0, 0], _decode_ref([3]))
+
+
 def _extra_decode_bufs(r: DirectRunner, token: int, past: int):
     """A second buffer set for the decode model (so two decode jobs can be in flight)."""
     model = r.models[D]

@@ -620,3 +620,53 @@ def test_a_recovery_dropped_after_a_switch_leaves_the_serving_generations_kv_alo
         assert state.committed(2) == 2 and state.oracles[2].length == 2
     finally:
         state.teardown()
+
+
+class _Draws:
+    """Stands in for hypothesis's ``data`` in a step-by-step replay: answers each draw in
+    turn (a callable is asked for its answer)."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+
+    def draw(self, strategy):
+        answer = self.answers.pop(0)
+        return answer() if callable(answer) else answer
+
+
+def test_a_dropped_recovery_leaves_the_device_stepped_with_no_stage_running():
+    """Found by CI's run of TestExecutorStateful (stop 72's CI, the mutation step's unmutated
+    run), replayed step by step: a decode sits queued on the stepped device when a pending
+    recovery is run and dropped (a switch replaced its generation). ``recover_with`` lets the
+    device run by itself for that moment; an engine thread began the queued job's compute,
+    and the stream's next step met 17 (the engine busy in another thread). The emulator's
+    ``set_stepped(True)`` now returns only once no stage is in progress."""
+    state = ExecutorMachine()
+    try:
+        state.start()
+        state.stream_open(ahead=False, seq=1)
+        state.stream_submit(follow=False, seq=1, token=729)
+        state.stream_step(ahead=False, follow=False, seq=3, token=11276)
+        state.arm_fault(nth=2, point="CCU_EXCEPTION")
+        state.arm_fault(nth=1, point="OUTPUT_SHORT")
+        state.cancel(_Draws(lambda: next(h for h, *_ in state.jobs if h.done)))
+        state.enqueue_decode(data=_Draws(1, 0), token=20037)
+        state.decode_sync_run(steps=2, token=65535)
+        state.submit_and_complete()
+        state.arm_fault(nth=1, point="UNKNOWN_CSR")
+        state.device_stage()
+        state.arm_fault(nth=3, point="OUTPUT_SHORT")
+        state.stream_submit(follow=False, seq=3, token=11721)
+        state.switch_model(golden_ok=True, to_other=True)
+        state.reset_sequence(seq=2)
+        state.stream_close(cancel=False, seq=3)
+        state.enqueue_prefill(data=_Draws(8, 2, [4009, 962, 604, 590, 151934, 71518, 2721, 1557]),
+                              n=8, rewind=False, want=(4541, 269))
+        state.submit()
+        assert state.ex.life.recovery_pending and state.emu.pending(0)[1] == 1
+        state.run_recovery()
+        state.stream_wait(seq=3)
+        state.enqueue_decode(data=_Draws(5, 0), token=55213)
+        state.stream_step(ahead=False, follow=False, seq=2, token=438)
+    finally:
+        state.teardown()

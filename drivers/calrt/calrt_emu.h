@@ -138,8 +138,9 @@ int32_t calrt_emu_fault_clear(calrt_device *dev, int32_t point);
 /* Calls counted and faults fired at a point since it was last set (fired survives clear). */
 int32_t calrt_emu_fault_stats(calrt_device *dev, int32_t point, uint64_t *calls, uint64_t *fired);
 
-/* Stepped mode: on != 0 stops the device threads from advancing work by themselves (the
- * stage in progress finishes). */
+/* Stepped mode: on != 0 stops the device threads from advancing work by themselves; it
+ * returns once the stage a device thread was in has finished (at most that stage's latency),
+ * so the caller's next calrt_emu_step owns the engine. 18 if the device closes meanwhile. */
 int32_t calrt_emu_set_stepped(calrt_device *dev, int32_t on);
 /* Advance engine in the caller's thread: what is a calrt_emu_stage (NONE = the next stage,
  * a named stage = that stage only if it is next, else 4; JOB = until the head job is
