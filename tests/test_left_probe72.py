@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import httpx
@@ -50,13 +51,12 @@ def _reload_in_thread(url: str, calbin: str, answers: list) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("wait_s", [0.0, 0.05])
-def test_a_job_page_behind_busy_operator_calls_is_answered_429_naming_them(
-        tmp_path, monkeypatch, wait_s):
-    """Two reloads whose calbin checks hold both operator turns (``OPERATOR_THREADS``): a job
-    page's drawing asked meanwhile waits at most ``operator_wait_s`` (0: not at all), then is
-    answered 429 ``operator.busy`` with ``Retry-After``, naming both checks; until stop 72 it
-    waited for them without a bound. Once they answered, the page is drawn again."""
+@contextlib.contextmanager
+def _both_operator_turns_held(tmp_path, monkeypatch, wait_s: float):
+    """A live server whose two operator turns (``OPERATOR_THREADS``) are held by two reloads
+    stuck in a gated calbin check, after one finished completion; yields the server, the gate,
+    the finished job's id, the reload answers and the threads to join. Opens the gate, joins
+    every thread and shuts the executor down on the way out."""
     executor = started_executor(tmp_path)
     gate = _Gate()
     monkeypatch.setattr(executor, "check_calbin", gate)
@@ -69,71 +69,64 @@ def test_a_job_page_behind_busy_operator_calls_is_answered_429_naming_them(
                               json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=WAIT_S)
             assert done.status_code == 200, done.text
             job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
-            threads = [_reload_in_thread(server.url, f"held{i}.calbin", reloads)
-                       for i in range(2)]
+            threads += [_reload_in_thread(server.url, f"held{i}.calbin", reloads)
+                        for i in range(2)]
             wait_for(lambda: gate.entered == 2, WAIT_S, "both calbin checks held")
-            page = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=5.0)
-            assert page.status_code == 429, page.text
-            assert page.headers["retry-after"] == "1"
-            error = page.json()["error"]
-            assert error["code"] == "operator.busy" and error["param"] == "job_id", error
-            assert f"GET /debug/jobs/{job_id}: its drawing: not run" in error["message"]
-            for name in ("held0.calbin", "held1.calbin"):
-                assert f'the check of calbin "{name}"' in error["message"], error["message"]
-            # the JSON view needs no turn
-            data = httpx.get(f"{server.url}/debug/jobs/{job_id}?format=json", headers=AUTH,
-                             timeout=5.0)
-            assert data.status_code == 200, data.text
-            gate.open.set()
-            for thread in threads:
-                thread.join(WAIT_S)
-            assert sorted(r.status_code for r in reloads) == [400, 400], reloads
-            again = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH,
-                              timeout=WAIT_S)
-            assert again.status_code in (200, 503), again.text  # 503: no graphviz here
-            assert again.status_code == 200 or "graphviz" in again.text
+            yield server, gate, job_id, reloads, threads
     finally:
         gate.open.set()
         for thread in threads:
             thread.join(WAIT_S)
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 0.05])
+def test_a_job_page_behind_busy_operator_calls_is_answered_429_naming_them(
+        tmp_path, monkeypatch, wait_s):
+    """Two reloads whose calbin checks hold both operator turns (``OPERATOR_THREADS``): a job
+    page's drawing asked meanwhile waits at most ``operator_wait_s`` (0: not at all), then is
+    answered 429 ``operator.busy`` with ``Retry-After``, naming both checks; until stop 72 it
+    waited for them without a bound. Once they answered, the page is drawn again."""
+    with _both_operator_turns_held(tmp_path, monkeypatch, wait_s) as (
+            server, gate, job_id, reloads, threads):
+        page = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=5.0)
+        assert page.status_code == 429, page.text
+        assert page.headers["retry-after"] == "1"
+        error = page.json()["error"]
+        assert error["code"] == "operator.busy" and error["param"] == "job_id", error
+        assert f"GET /debug/jobs/{job_id}: its drawing: not run" in error["message"]
+        for name in ("held0.calbin", "held1.calbin"):
+            assert f'the check of calbin "{name}"' in error["message"], error["message"]
+        # the JSON view needs no turn
+        data = httpx.get(f"{server.url}/debug/jobs/{job_id}?format=json", headers=AUTH,
+                         timeout=5.0)
+        assert data.status_code == 200, data.text
+        gate.open.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+        assert sorted(r.status_code for r in reloads) == [400, 400], reloads
+        again = httpx.get(f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=WAIT_S)
+        assert again.status_code in (200, 503), again.text  # 503: no graphviz here
+        assert again.status_code == 200 or "graphviz" in again.text
 
 
 def test_an_operator_call_waiting_for_its_turn_runs_once_one_is_free(tmp_path, monkeypatch):
     """With a bound to wait (the default 10 s), a job page asked while both turns are held
     waits for one (no answer yet) and is drawn once a check ends: the bound refuses only a
     wait that would outlast it."""
-    executor = started_executor(tmp_path)
-    gate = _Gate()
-    monkeypatch.setattr(executor, "check_calbin", gate)
-    app = create_app(executor, ServerConfig(admin_token=TOKEN, operator_wait_s=600.0))
-    reloads: list = []
-    threads: list = []
     pages: list = []
-    try:
-        with LiveServer(app) as server:
-            done = httpx.post(f"{server.url}/v1/completions",
-                              json={"prompt": [5, 6, 7], "max_tokens": 2}, timeout=WAIT_S)
-            assert done.status_code == 200, done.text
-            job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
-            threads = [_reload_in_thread(server.url, f"held{i}.calbin", reloads)
-                       for i in range(2)]
-            wait_for(lambda: gate.entered == 2, WAIT_S, "both calbin checks held")
-            asker = threading.Thread(target=lambda: pages.append(httpx.get(
-                f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=WAIT_S)))
-            asker.start()
-            threads.append(asker)
-            assert pages == []  # (it waits for a turn: no answer while both are held)
-            gate.open.set()
-            for thread in threads:
-                thread.join(WAIT_S)
-            assert len(pages) == 1 and pages[0].status_code in (200, 503), pages
-            assert pages[0].status_code == 200 or "graphviz" in pages[0].text
-    finally:
+    with _both_operator_turns_held(tmp_path, monkeypatch, 600.0) as (
+            server, gate, job_id, _reloads, threads):
+        asker = threading.Thread(target=lambda: pages.append(httpx.get(
+            f"{server.url}/debug/jobs/{job_id}", headers=AUTH, timeout=WAIT_S)))
+        asker.start()
+        threads.append(asker)
+        assert pages == []  # (it waits for a turn: no answer while both are held)
         gate.open.set()
         for thread in threads:
             thread.join(WAIT_S)
-        executor.shutdown(5.0)
+        assert len(pages) == 1 and pages[0].status_code in (200, 503), pages
+        assert pages[0].status_code == 200 or "graphviz" in pages[0].text
 
 
 @pytest.mark.parametrize("body", [
