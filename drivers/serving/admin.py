@@ -2,7 +2,9 @@
 ``POST /admin/drain?grace=S`` and ``POST /admin/reload`` (model switch, §9.2). A reload's
 calbin passes ``DeviceExecutor.check_calbin`` (the file, the runtime's host-side read, the
 manifest) before the lifecycle moves: a bad one is a 400 naming ``calbin``, and serving goes
-on undrained."""
+on undrained. ``POST /admin/cancel/{id}`` ends the request in progress whose response ``id``
+or ``x-request-id`` is ``id`` (``CompletionService.cancel``): its client gets 409
+``request.aborted`` (a stream: the error event), ``x-should-retry: false``."""
 
 from __future__ import annotations
 
@@ -91,6 +93,12 @@ RELOAD_TAKES = ("/admin/reload takes {\"calbin\": PATH}, the path of a calbin fi
 DRAIN_TAKES = "/admin/drain takes no body: the grace is the query parameter ?grace=S"
 #: the query parameters of ``/admin/drain``
 DRAIN_PARAMS = ("grace",)
+#: what the 413 of a ``/admin/cancel/{id}`` body says
+CANCEL_TAKES = ("/admin/cancel/{id} takes no body: the request's response id or x-request-id "
+                "is the path's last segment")
+#: the header the fleet ingress marks the requests it forwards with (drivers/fleet/edge.py
+#: ``RELAYED_FROM``; its value ``ingress``): a cancel it forwarded reached one replica
+RELAYED_FROM = "x-calexec-relayed-from"
 #: a drain's ``grace``: an ASCII decimal number (``float()`` alone also reads "٣" as 3,
 #: "1_0" as 10 and " 5" as 5)
 GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -175,7 +183,7 @@ def draining_refusal(retry_after: int, headers: dict[str, str] | None = None) ->
 
 
 def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
-    """``/admin/drain`` and ``/admin/reload`` on ``app``."""
+    """``/admin/drain``, ``/admin/cancel/{id}`` and ``/admin/reload`` on ``app``."""
     config = owner.service.config
     retry = config.retry_after_s
     #: the calbin of the switch this app's ``/admin/reload`` runs now (at most one): checked
@@ -237,6 +245,53 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                      wire.request_id(request.scope))
         return JSONResponse({"draining": True, "grace": service.drain_grace,
                              "started": started}, status_code=202)
+
+    @app.post("/admin/cancel/{ident:path}")
+    async def admin_cancel(ident: str, request: Request) -> Response:
+        """Cancel the request in progress whose response ``id`` (``cmpl-``, ``chatcmpl-``,
+        ``resp_``...) or ``x-request-id`` is ``ident`` (docs/server.md "Cancel"): 202 once
+        told (again for a repeat, nothing more done), 404 ``not_found`` when none in
+        progress has it, 400 when ``ident`` is no request id or names several requests."""
+        service = owner.service
+        refused = admin_refusal(request, config)
+        if refused is not None:
+            return refused
+        unknown = query_refusal(request, (), "POST /admin/cancel/{id} takes no query")
+        if unknown is not None:
+            return unknown
+        raw = await read_body(request, CANCEL_TAKES)
+        if not isinstance(raw, bytes):
+            return raw
+        if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
+            return error_response(invalid(f"body: /admin/cancel/{{id}} takes no body "
+                                          f"({len(raw)} bytes sent): the id is the path's "
+                                          "last segment"), None)
+        if wire.SANE_REQUEST_ID.fullmatch(ident.encode("utf-8", "replace")) is None:
+            return error_response(invalid(
+                f"id={shown(ident, 64)}: not a request id (a response id such as "
+                f"cmpl-..., chatcmpl-... or resp_..., or an x-request-id: 1 to "
+                f"{wire.MAX_REQUEST_ID_CHARS} printable ASCII characters)"), "id")
+        done = service.cancel(ident)
+        said = shown(ident, 128)
+        if done.outcome == "ambiguous":
+            return error_response(invalid(
+                f"id={said}: names {len(done.response_ids) or 'several'} requests in progress "
+                f"({', '.join(done.response_ids[:8])}): none cancelled; cancel one by its "
+                "response id"), "id")
+        if done.outcome == "not_found":
+            where = ("no request in progress on the replica the fleet ingress sent this to "
+                     "(it sends /admin/* to one replica: the request may run on another)"
+                     if request.headers.get(RELAYED_FROM) == "ingress"
+                     else "no request in progress")
+            return error_response(Status.failure(
+                "request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+                f"id={said}: {where} has this response id or x-request-id (unknown, or it "
+                "already ended)"), "id", http_status=404)
+        log.info("admin: cancel of %s (%s), x-request-id %s", said, done.outcome,
+                 wire.request_id(request.scope))
+        return JSONResponse({"cancelled": True, "id": ident,
+                             "response_ids": list(done.response_ids),
+                             "x_request_id": done.x_request_id}, status_code=202)
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:

@@ -21,7 +21,7 @@ PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 408: "timeout_error",
+               405: "invalid_request_error", 408: "timeout_error", 409: "cancelled_error",
                413: "invalid_request_error", 414: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error",
                431: "invalid_request_error",
@@ -44,6 +44,21 @@ NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING,
 #: not implement; 505, an HTTP version it does not speak (the SDKs retry every 5xx they are
 #: not told not to)
 NOT_RETRYABLE_HTTP = frozenset({501, 505})
+#: Status codes answered with another HTTP status than their category's. ``request.aborted``
+#: (an operator's ``POST /admin/cancel/{id}``; category CANCELLED, whose 499 says the client
+#: closed the request, which this one's did not: it reads the answer) is 409, gRPC's
+#: ABORTED: "the operation was aborted", the request is no longer served; a 5xx would say
+#: the server failed (and every SDK retries one), a 499 that nobody reads the answer
+HTTP_OF_CODE = {"request.aborted": 409}
+#: Status codes no retry of the same request should follow (``x-should-retry: false``): an
+#: operator cancelled it (the OpenAI SDKs retry a 409 unless told not to)
+NOT_RETRYABLE_CODES = frozenset({"request.aborted"})
+
+
+def http_status_of(status: Status) -> int:
+    """The HTTP status ``status`` is answered with (:data:`HTTP_OF_CODE`, else its
+    category's, ``Status.http_status``)."""
+    return HTTP_OF_CODE.get(status.code) or status.http_status
 
 
 def own_deadline(status: Status, http_status: int | None = None) -> bool:
@@ -65,7 +80,8 @@ OPENAI_CODE = {"request.model_not_found": "model_not_found",
 #: gRPC code of an HTTP status a route answers in place of its Status's own (the status dict
 #: of the body says the same as the response: a 401 is UNAUTHENTICATED, not a 400)
 GRPC_OF_HTTP = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
+                405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 409: "ABORTED",
+                413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
                 499: "CANCELLED", 501: "UNIMPLEMENTED", 505: "UNIMPLEMENTED"}
 
 
@@ -75,7 +91,7 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
     """The JSON error body of a failure Status (OpenAI shape + calexec's status dict, whose
     ``http_status``/``grpc_code`` are the response's when ``http_status`` overrides the
     Status's own)."""
-    code = status.http_status if http_status is None else http_status
+    code = http_status_of(status) if http_status is None else http_status
     described = status.to_dict()
     if code != described["http_status"]:
         described["http_status"] = code
@@ -84,7 +100,8 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
     headers = dict(headers or {})
     if code in (429, 503):
         headers["Retry-After"] = str(retry_after)
-    if status.category in NOT_RETRYABLE or code in NOT_RETRYABLE_HTTP:
+    if (status.category in NOT_RETRYABLE or code in NOT_RETRYABLE_HTTP
+            or status.code in NOT_RETRYABLE_CODES):
         headers["x-should-retry"] = "false"
     if code == 401:  # RFC 9110 section 11.6.1: a 401 MUST carry a challenge (RFC 6750's)
         headers.setdefault("WWW-Authenticate", "Bearer")
@@ -94,7 +111,7 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
 def error_body(status: Status, param: str | None = None,
                http_status: int | None = None) -> dict[str, Any]:
     """The OpenAI-shaped ``error`` object of a failure (also the SSE error event's)."""
-    code = status.http_status if http_status is None else http_status
+    code = http_status_of(status) if http_status is None else http_status
     return {"message": status.message or status.code,
             "type": ERROR_TYPE.get(code, "server_error"),
             "code": OPENAI_CODE.get(status.code, status.code), "param": param}

@@ -58,6 +58,7 @@ calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
 calexec_dump_records_total                  counter    outcome (written|dropped|error|overflow); with --dump-dir
+calexec_admin_cancels_total                 counter    outcome (cancelled|repeated|not_found|ambiguous)
 ==========================================  =========  =================================================
 
 With ``ServerConfig.metrics_names == "vllm"`` (``calexec serve --metrics-names vllm``) the
@@ -693,6 +694,10 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 _JOB_SPANS = ("admission_wait", "queue_wait", "device_wait", "h2d", "d2h", "postprocess")
 
 
+#: ``calexec_admin_cancels_total``'s outcomes (``service.CancelOutcome``)
+CANCEL_OUTCOMES = ("cancelled", "repeated", "not_found", "ambiguous")
+
+
 class ServerMetrics:
     """The server's metrics in a registry of their own."""
 
@@ -777,6 +782,15 @@ class ServerMetrics:
                                      registry=reg)
         self.generation_tokens = Counter("calexec_generation_tokens",
                                          "Generated tokens of finished requests.", registry=reg)
+        #: ``POST /admin/cancel/{id}`` by outcome (``CompletionService.cancel``); each series
+        #: shows, 0 until counted
+        self.cancels = Counter("calexec_admin_cancels", "Operator cancels (POST "
+                               "/admin/cancel/{id}) by outcome: cancelled (a request in "
+                               "progress told to end), repeated (told before, still ending), "
+                               "not_found (no request in progress has the id), ambiguous (the "
+                               "id names several).", ["outcome"], registry=reg)
+        for outcome in CANCEL_OUTCOMES:
+            self.cancels.labels(outcome)
         self.decode_steps = Counter("calexec_decode_steps", "Decode jobs fired through a decode "
                                     "stream, by whether the job was pre-armed before its token "
                                     "came (issue 17).", ["prearmed"], registry=reg)

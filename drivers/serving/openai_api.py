@@ -58,6 +58,7 @@ from calexec.drivers.serving.service import (
     STREAM_AHEAD,
     Admission,
     CompletionService,
+    OpenRequest,
     RequestRun,
     RouteService,
     context_exceeded,
@@ -1963,8 +1964,15 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                       "choices": len(specs)})
 
         async def one(k: int, admission: Admission, shape: _Shape,
-                      limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
+                      limit: anyio.Semaphore, scope: anyio.CancelScope,
+                      opened: OpenRequest) -> None:
             async with limit:
+                if opened.cancelled is not None and state.failure is None:
+                    # an operator cancelled the request between two choices (no run of it
+                    # was in progress to tell): no choice more is admitted; the answer is
+                    # the cancel's, counted here as a later choice's refusal is
+                    state.fail(opened.cancelled, None, counted=False)
+                    scope.cancel()
                 if state.failure is None:
                     # (each prompt's own choice j = k % n: a prompt of a list draws as it
                     # draws alone, whatever else the list holds, as vLLM seeds each prompt)
@@ -1974,10 +1982,12 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         async def produce() -> None:
             try:
                 limit = anyio.Semaphore(service.choice_concurrency)
-                with service.open_request():  # a drain waits for it between two choices
+                # a drain waits for it between two choices, and a cancel finds it then
+                with service.open_request(state.id, state.x_request_id) as opened:
                     async with anyio.create_task_group() as tg:
                         for k, (admission, shape) in enumerate(specs):
-                            tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
+                            tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope,
+                                          opened)
             except Exception as exc:  # noqa: BLE001 - a bug in a choice: the request's
                 # answer, never a success short of that choice (its stream ended with [DONE])
                 state.fail(unexpected_failure(request, exc), None, counted=False)
@@ -2062,9 +2072,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             if state.failure is not None and not run.done:
                 # not request.cancelled (499: the client is gone): no client left; the
                 # request's answer is the other choice's failure
-                run.status = Status.failure("request.choice_cancelled", Category.CANCELLED,
-                                            Phase.CANCEL, "another choice of the request "
-                                            "failed", seq_id=run.seq_id)
+                run.status = run.cancelled or Status.failure(
+                    "request.choice_cancelled", Category.CANCELLED, Phase.CANCEL,
+                    "another choice of the request failed", seq_id=run.seq_id)
             await service.finish(run, abandoned=True)
 
     async def _sse_many(request: Request, head: _Shape, state: _Choices,

@@ -595,6 +595,12 @@ class RequestRun:
     #: that stops reading stops the generation, as on the plain path
     burst_paused: bool = False
     burst_room: threading.Condition = attrs.field(init=False)
+    #: an operator cancelled it (``POST /admin/cancel/{id}``, :meth:`CompletionService.cancel`):
+    #: the ``request.aborted`` Status it ends with, whatever its job answers meanwhile
+    cancelled: Status | None = None
+    #: the cancel scope of the wait ``advance`` is in now (a sequence id, a job, a burst), which
+    #: a cancel cancels; None between two waits (the next ``advance`` sees ``cancelled``)
+    scope: anyio.CancelScope | None = None
 
     def __attrs_post_init__(self) -> None:
         self.burst_room = threading.Condition(self.mu)
@@ -703,6 +709,42 @@ MAX_TOKENS_CODES = frozenset({"kv.exceeds_capacity"})
 
 #: a generation whose constraints left no token to choose (sampling.NoTokenLeft): 400
 NO_TOKEN_LEFT = "sampling.no_token_left"
+#: the code of a request an operator cancelled (``POST /admin/cancel/{id}``): answered 409
+#: with ``x-should-retry: false`` (error_bodies.HTTP_OF_CODE; docs/server.md "Cancel")
+ABORTED = "request.aborted"
+
+
+def aborted(ident: str, seq_id: int | None = None) -> Status:
+    """The failure of a request an operator cancelled by ``ident`` (its response id or
+    ``x-request-id``): CANCELLED (never resumed, never retried), code :data:`ABORTED`."""
+    return Status.failure(ABORTED, Category.CANCELLED, Phase.CANCEL,
+                          f"request {fields.shown(ident, 128)} cancelled by the server's "
+                          "operator (POST /admin/cancel); not retried", seq_id=seq_id)
+
+
+@attrs.define(eq=False)
+class OpenRequest:
+    """A request of several choices in progress (``CompletionService.open_request``): its
+    ids, so that a cancel finds it also between one choice's end and the next one's
+    admission, when it holds no run; ``cancelled`` once one did (its later choices are not
+    admitted)."""
+
+    response_id: str | None = None
+    x_request_id: str | None = None
+    cancelled: Status | None = None
+
+
+@attrs.frozen
+class CancelOutcome:
+    """What :meth:`CompletionService.cancel` did: ``outcome`` ``cancelled`` (told now),
+    ``repeated`` (told before, still ending), ``not_found`` (no request in progress has that
+    id, or it already ended) or ``ambiguous`` (the id names several requests: none told);
+    ``response_ids`` the requests the id names, ``choices`` the runs told."""
+
+    outcome: str
+    response_ids: tuple[str, ...] = ()
+    x_request_id: str | None = None
+    choices: int = 0
 
 
 #: (``KNOCK_ON_CODE``, from drivers/serving/resume.py: the code of a failure that only says the
@@ -905,6 +947,8 @@ class CompletionService:
         #: requests of several choices under way (``open_request``): between two of its
         #: choices such a request holds no run, and a drain still waits for it
         self._open_requests = 0
+        #: the requests of several choices in progress (``open_request``), by ``id()``
+        self._open: dict[int, OpenRequest] = {}
         self._live: dict[int, RequestRun] = {}
         self._ids = itertools.count(1)
         # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
@@ -1156,6 +1200,9 @@ class CompletionService:
         (``_step`` records each row) before the first token. Tokens a decode burst took
         (``ServerConfig.decode_bursts``) are handed out one per call, in order."""
         while True:
+            if run.cancelled is not None:  # an operator's cancel: no token more, even one
+                run.status = run.cancelled  # a burst already took (its end: ``cancel``)
+                return None
             if run.burst:
                 with run.mu:  # (a streamed burst's thread may wait for room)
                     token = run.burst.popleft()
@@ -1164,7 +1211,9 @@ class CompletionService:
                 return cast(int, token)
             token = await self._step(run)
             if token is not _PROMPT_ROW and token is not _BURST:
-                if token is None and run.status is not None:
+                if token is None and run.cancelled is not None:
+                    run.status = run.cancelled
+                elif token is None and run.status is not None:
                     run.status = _as_told(run, _told_as_timeout(run, run.status))
                 return cast(int | None, token)
 
@@ -1187,7 +1236,14 @@ class CompletionService:
             run.finish_reason = "length"
             return None
         if run.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
-            refused = await self.resumer.take_sequence(run)
+            with anyio.CancelScope() as waiting:  # (an operator's cancel ends the wait)
+                run.scope = waiting
+                refused = await self.resumer.take_sequence(run)
+            run.scope = None
+            if waiting.cancelled_caught or run.cancelled is not None:
+                # the wait left the queue and gave back an id it was handed (admission.wait)
+                run.status = run.cancelled
+                return None
             if refused is not None:
                 run.status = refused
                 return None
@@ -1213,14 +1269,17 @@ class CompletionService:
         stop_at = run.deadline + self.config.deadline_slack_s / 10
         burst = self._burstable(run)
         with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
+            run.scope = scope  # (an operator's cancel cancels it: ``cancel``)
             got = await self._run_burst(run) if burst else None
             if got is None:  # no burst, or it took no step: the plain path takes this one
                 got = await self._run_job(run)
-        if scope.cancelled_caught:
+        run.scope = None
+        if scope.cancelled_caught or run.cancelled is not None:
             if run.handle is not None:
                 run.handle.cancel()
-            run.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
-                                         "stopped waiting", seq_id=run.seq_id)
+            run.status = run.cancelled or Status.deadline(
+                Phase.WAIT, "request deadline passed; the server stopped waiting",
+                seq_id=run.seq_id)
             return None
         if got is _BURST:
             return _BURST
@@ -1257,6 +1316,9 @@ class CompletionService:
         the failure allows it, else end it with the failure."""
         if handle is not None:
             handle.cancel()  # wait deadline: the job continues unless told otherwise
+        if run.cancelled is not None:  # an operator's cancel, whatever the job answered
+            run.status = run.cancelled
+            return None
         if (self.draining and not (run.abandoned or run.finished) and (
                 result.category is Category.CANCELLED
                 or (self.grace_over and result.category is Category.UNAVAILABLE))):
@@ -2084,15 +2146,76 @@ class CompletionService:
                 "text": self.tokenizer.decode(run.tokens)})
 
     @contextlib.contextmanager
-    def open_request(self) -> Iterator[None]:
+    def open_request(self, response_id: str | None = None, x_request_id: str | None = None
+                     ) -> Iterator[OpenRequest]:
         """Around a request of several choices (drivers/serving/openai_api.py): a drain waits for
         it (within its grace) also while it holds no run, between one choice's end and the
-        next one's admission."""
+        next one's admission, and a cancel by its ids finds it then (:class:`OpenRequest`:
+        the route admits no choice of it once ``cancelled``)."""
+        entry = OpenRequest(response_id, x_request_id)
         self._open_requests += 1
+        self._open[id(entry)] = entry
         try:
-            yield
+            yield entry
         finally:
+            self._open.pop(id(entry), None)
             self._open_requests -= 1
+
+    def cancel(self, ident: str) -> CancelOutcome:
+        """(The event loop.) An operator's cancel (``POST /admin/cancel/{id}``) of the request
+        in progress whose response ``id`` or ``x-request-id`` is ``ident``: each of its runs
+        (every choice) not yet ended is told (``RequestRun.cancelled``): the wait it is in
+        (a sequence id, its job, a burst) is cancelled as a deadline's would be, its job
+        cancelled (§7: the executor keeps what the device holds until the job ended; the
+        sequence comes back through ``finish``'s release path), a burst's thread cut, no
+        resume; it ends ``request.aborted``. An id naming two requests or more (one's
+        response id another's ``x-request-id``, or two clients' one ``X-Request-Id``) tells
+        none (``ambiguous``). Idempotent: a request told already is ``repeated``, told
+        nothing more."""
+        runs = [run for run in list(self._live.values())
+                if ident in (run.response_id, run.x_request_id) and not run.finished]
+        opened = [entry for entry in list(self._open.values())
+                  if ident in (entry.response_id, entry.x_request_id)]
+        keys = ({run.response_id or f"#{run.request_id}" for run in runs}
+                | {entry.response_id or f"@{id(entry)}" for entry in opened})
+        named = tuple(sorted(key for key in keys if not key.startswith(("#", "@"))))
+        x_ids = {run.x_request_id for run in runs} | {e.x_request_id for e in opened}
+        x_request_id = next(iter(x_ids)) if len(x_ids) == 1 else None
+        if len(keys) > 1:
+            return self._cancel_counted(CancelOutcome("ambiguous", named))
+        told = 0
+        repeated = any(entry.cancelled is not None for entry in opened)
+        for entry in opened:
+            if entry.cancelled is None:
+                entry.cancelled = aborted(ident)
+        for run in runs:
+            with run.mu:
+                if run.cancelled is not None:
+                    repeated = True
+                    continue
+                if run.done or run.closed:  # its generation ended: its answer is going out
+                    continue
+                run.cancelled = aborted(ident, run.seq_id)
+            told += 1
+            self._cut_burst(run)  # (a burst's thread commits nothing more; the job cancelled)
+            scope = run.scope
+            if scope is not None:
+                scope.cancel()
+        if told:
+            log.info("admin: cancelled request %s (%d choice%s), x-request-id %s",
+                     fields.shown(ident, 128), told, "" if told == 1 else "s", x_request_id)
+            return self._cancel_counted(CancelOutcome("cancelled", named, x_request_id, told))
+        if repeated:
+            return self._cancel_counted(CancelOutcome("repeated", named, x_request_id))
+        if opened:  # between two choices (or its runs ended): no choice more is admitted
+            log.info("admin: cancelled request %s between its choices, x-request-id %s",
+                     fields.shown(ident, 128), x_request_id)
+            return self._cancel_counted(CancelOutcome("cancelled", named, x_request_id))
+        return self._cancel_counted(CancelOutcome("not_found"))
+
+    def _cancel_counted(self, outcome: CancelOutcome) -> CancelOutcome:
+        self.metrics.cancels.labels(outcome.outcome).inc()
+        return outcome
 
     # ---- drain ----------------------------------------------------------------------------------
     async def flush_dump(self, timeout: float, close: bool = False) -> bool:

@@ -1,0 +1,361 @@
+"""Stop 73 (cancel): an operator cancels a request in progress, ``POST /admin/cancel/{id}``
+(drivers/serving/admin.py, ``CompletionService.cancel``), on every path a request can be in:
+waiting for admission, a non-streamed burst (one choice, ``n`` > 1, a prompt list), a stream,
+a resume after a fault, the Responses API. Each request is held at its point by the stepped
+emulator (its job on the device), a held sequence id (the waiting queue) or a recovery held in
+Warming; the client's answer is ``request.aborted`` (409, ``x-should-retry: false``; a stream
+that started: its error event), and every sequence id and the device's slots come back.
+Nothing asserts a duration: every wait is a bounded poll of a condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("httpx", reason="the server tests need the [server] extra")
+import httpx  # noqa: E402
+
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    metric_value,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+)
+
+TOKEN = "cancel73-admin"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+PROMPT = [5, 6, 7]
+WAIT_S = 30.0
+
+
+def busy_engine(emu) -> int | None:
+    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
+
+
+@contextlib.contextmanager
+def served(tmp_path, **config) -> Iterator[tuple]:
+    """(server, service, executor) of a loopback server with the admin token; the device
+    unstepped and the executor shut down at the end."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, **config))
+    try:
+        with LiveServer(app) as server:
+            yield server, app.state.service, executor
+    finally:
+        executor.device.emu.set_stepped(False)
+        executor.shutdown(5.0)
+
+
+def posted(url: str, path: str, body: dict, out: list, headers: dict | None = None
+           ) -> threading.Thread:
+    """``body`` posted to ``url + path`` from a thread; its response appended to ``out``."""
+    thread = threading.Thread(target=lambda: out.append(httpx.post(
+        f"{url}{path}", json=body, headers=headers or {}, timeout=WAIT_S)))
+    thread.start()
+    return thread
+
+
+def cancel(url: str, ident: str, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/admin/cancel/{ident}", headers=kwargs.pop("headers", AUTH),
+                      timeout=WAIT_S, **kwargs)
+
+
+def assert_aborted(response: httpx.Response, ident: str) -> None:
+    """The client's answer to a request an operator cancelled by ``ident``."""
+    assert response.status_code == 409, response.text
+    assert response.headers["x-should-retry"] == "false"
+    error = response.json()["error"]
+    assert error["code"] == "request.aborted" and error["type"] == "cancelled_error", error
+    assert ident in error["message"] and "operator" in error["message"], error
+    status = response.json()["status"]
+    assert status["http_status"] == 409 and status["grpc_code"] == "ABORTED", status
+
+
+def assert_all_back(service, executor) -> None:
+    """Every sequence id, the waiting queue and the device's slots are back."""
+    wait_for(lambda: service.active == 0 and service.sequences.in_use == 0
+             and service.releases_pending == 0, WAIT_S, "every sequence id back")
+    assert service.sequences.consistent() and service.sequences.withheld == 0
+    assert service.admission.waiting == 0
+    def device_idle() -> bool:
+        snap = executor.snapshot()
+        slots = snap["slots"]
+        return (snap["inflight"] == 0 and snap["queued"] == 0 and not snap["kv_sequences"]
+                and snap["kv_blocks_reserved"] == 0 and snap["pending_tokens"] == 0
+                and slots["Leased"] == 0 and slots["InFlight"] == 0 and slots["Quarantined"] == 0)
+    wait_for(device_idle, WAIT_S, "every slot free, no KV sequence or job left")
+
+
+# ---- waiting for admission -------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_waiting_for_admission_is_cancelled_and_leaves_the_queue(tmp_path, stream):
+    """max_sequences=1, its id held: the request waits in the queue; cancelled by its
+    ``x-request-id``, it answers 409 ``request.aborted`` (a stream before its first event:
+    the plain error response) and the queue is empty; the freed id serves the next one."""
+    with served(tmp_path, max_sequences=1) as (server, service, executor):
+        held = service.sequences.acquire()
+        out: list = []
+        thread = posted(server.url, "/v1/completions",
+                        {"prompt": PROMPT, "max_tokens": 4, "stream": stream}, out,
+                        {"x-request-id": "waiting-1"})
+        wait_for(lambda: service.admission.waiting == 1, WAIT_S, "the request waiting")
+        answer = cancel(server.url, "waiting-1")
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["cancelled"] is True and answer.json()["x_request_id"] == "waiting-1"
+        thread.join(WAIT_S)
+        assert_aborted(out[0], "waiting-1")
+        assert service.admission.waiting == 0
+        service.sequences.release(held)
+        assert_all_back(service, executor)
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                        timeout=WAIT_S)
+        assert ok.status_code == 200, ok.text
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "calexec_admin_cancels_total", {"outcome": "cancelled"}) == 1
+        assert metric_value(metrics, "calexec_request_failures_total",
+                            {"code": "request.aborted"}) == 1
+        admitted = sum(metric_value(metrics, "calexec_requests_total", {"stream": flag}) or 0
+                       for flag in ("true", "false"))
+        succeeded = metric_value(metrics, "calexec_request_success_total") or 0
+        assert admitted == 2 and succeeded == 1  # the cancelled one, then the one served
+
+
+# ---- a running non-streamed burst: every choice ends ---------------------------------------
+@pytest.mark.parametrize("shape", [{"prompt": PROMPT}, {"prompt": PROMPT, "n": 3},
+                                   {"prompt": [PROMPT, [9, 10]]},
+                                   {"prompt": PROMPT, "stop": ["never said"]}],
+                         ids=["one", "n3", "prompt_list", "plain_path"])
+def test_a_running_request_is_cancelled_by_its_response_id_and_every_choice_ends(tmp_path,
+                                                                                   shape):
+    """Its job held on the stepped device: cancelled by its response id (read from the
+    server's live requests), every choice ends, the client gets 409 ``request.aborted``; once
+    the device runs again (the cancel never freed what it held, §7) every id comes back."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        thread = posted(server.url, "/v1/completions", {**shape, "max_tokens": 40}, out)
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "a job held on the device")
+        ids = {run.response_id for run in service.live_requests()}
+        assert len(ids) == 1, ids
+        ident = ids.pop()
+        answer = cancel(server.url, ident)
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["response_ids"] == [ident]
+        thread.join(WAIT_S)
+        assert_aborted(out[0], ident)
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        admitted = metric_value(metrics, "calexec_requests_total", {"stream": "false"}) or 0
+        failed = metric_value(metrics, "calexec_request_failures_total",
+                              {"code": "request.aborted"}) or 0
+        others = sum(metric_value(metrics, "calexec_request_failures_total",
+                                  {"code": code}) or 0
+                     for code in ("request.choice_cancelled", "request.cancelled"))
+        # every admitted choice ended counted once, none of them a success
+        assert admitted >= 1 and failed >= 1 and failed + others == admitted, metrics
+        assert metric_value(metrics, "calexec_request_success_total") is None
+        again = cancel(server.url, ident)  # it ended: nothing in progress has the id
+        assert again.status_code == 404 and again.json()["error"]["param"] == "id"
+        assert again.json()["error"]["code"] == "not_found"
+
+
+# ---- a stream -------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_cancelled_after_its_first_token_ends_with_the_error_event(tmp_path, route):
+    """The prefill stepped through (the first token sent), the next job held: cancelled, the
+    stream's last event is the error event ``request.aborted`` (no ``[DONE]``, as every
+    failure after a stream started), and everything comes back."""
+    body = ({"prompt": PROMPT} if route == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "hello"}]})
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read() -> None:
+            with httpx.stream("POST", f"{server.url}{route}", timeout=WAIT_S,
+                              headers={"x-request-id": "stream-1"},
+                              json={**body, "max_tokens": 40, "stream": True}) as response:
+                lines.append(str(response.status_code))
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        first.set()
+        thread = threading.Thread(target=read)
+        thread.start()
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the prefill on the device")
+        assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0
+        assert first.wait(WAIT_S)
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the next job on the device")
+        assert cancel(server.url, "stream-1").status_code == 202
+        thread.join(WAIT_S)
+        assert lines[0] == "200" and "[DONE]" not in lines, lines
+        last = json.loads(lines[-1])
+        assert last["error"]["code"] == "request.aborted", last
+        assert last["error"]["type"] == "cancelled_error"
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor)
+
+
+# ---- a resume after a fault ------------------------------------------------------------------
+def test_a_request_resuming_after_a_fault_is_cancelled_while_it_waits_for_ready(tmp_path):
+    """A CCU exception sets off a recovery whose golden is held in Warming: the request waits
+    in its resume; cancelled, it answers 409 ``request.aborted`` (not the fault's 503, not
+    resumed further) and leaves the queue; once Ready everything is back and a request is
+    served."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        thread = posted(server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4},
+                        out, {"x-request-id": "resume-1"})
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the prefill on the device")
+        assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0  # CCU exception -> recovery
+        wait_for(lambda: executor.state == "Warming" and service.admission.waiting == 1,
+                 WAIT_S, "the resume waiting behind the recovery")
+        assert cancel(server.url, "resume-1").status_code == 202
+        thread.join(WAIT_S)
+        assert_aborted(out[0], "resume-1")
+        assert service.admission.waiting == 0
+        assert emu.set_stepped(False) == 0
+        emu.clear_all_faults()
+        wait_for(lambda: executor.state == "Ready", WAIT_S, "Ready after the recovery")
+        assert_all_back(service, executor)
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                        timeout=WAIT_S)
+        assert ok.json()["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
+
+
+# ---- the Responses API ----------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_request_is_cancelled_by_its_resp_id(tmp_path, stream):
+    """``POST /v1/responses`` held on the device (its prefill), cancelled by its ``resp_``
+    id: the 409 ``request.aborted``, streamed or not (a stream whose first token never came
+    answers with the plain error response, as chat's)."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        thread = posted(server.url, "/v1/responses",
+                        {"input": "hello", "max_output_tokens": 40, "stream": stream}, out)
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the prefill on the device")
+        (ident,) = {run.response_id for run in service.live_requests()}
+        assert ident.startswith("resp_")
+        assert cancel(server.url, ident).status_code == 202
+        thread.join(WAIT_S)
+        # (a stream cancelled before its first token: the plain error response, as chat's)
+        assert out[0].json()["error"]["param"] is None
+        assert_aborted(out[0], ident)
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor)
+
+
+# ---- the route's own rules -------------------------------------------------------------------
+def test_the_cancel_route_follows_the_admin_routes_rules(tmp_path):
+    """Admin token, no query, no body, a request id's shape (400 naming ``id``), an unknown
+    id (404 ``not_found`` naming it); behind the fleet ingress the 404 says the ingress asked
+    one replica. Every answer counted by outcome."""
+    with served(tmp_path) as (server, _service, _executor):
+        url = server.url
+        assert cancel(url, "x", headers={}).status_code == 401
+        assert cancel(url, "x", headers={"authorization": "Bearer nope"}).status_code == 403
+        query = cancel(url, "x", params={"force": "1"})
+        assert query.status_code == 400 and query.json()["error"]["param"] == "force"
+        body = cancel(url, "x", json={"id": "x"})
+        assert body.status_code == 400 and "takes no body" in body.json()["error"]["message"]
+        assert cancel(url, "x", json={}).status_code == 404  # ({}: says nothing)
+        for bad in ("", "%C3%A9t%C3%A9", "a" * 129):
+            shape = cancel(url, bad)
+            assert shape.status_code == 400, (bad, shape.text)
+            assert shape.json()["error"]["param"] == "id", shape.text
+        unknown = cancel(url, "cmpl-nothing")
+        assert unknown.status_code == 404
+        error = unknown.json()["error"]
+        assert error["code"] == "not_found" and error["param"] == "id"
+        assert "cmpl-nothing" in error["message"], error
+        fleet = cancel(url, "cmpl-nothing", headers={**AUTH, "x-calexec-relayed-from": "ingress"})
+        assert fleet.status_code == 404 and "another" in fleet.json()["error"]["message"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert metric_value(metrics, "calexec_admin_cancels_total", {"outcome": "not_found"}) == 3
+
+
+def test_an_id_two_requests_share_cancels_neither(tmp_path):
+    """Two requests in progress sent with one ``X-Request-Id``: a cancel by it is 400 naming
+    both response ids, and neither is cancelled; each is then cancelled by its own id."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        threads = [posted(server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40},
+                          out, {"x-request-id": "shared"}) for _ in range(2)]
+        wait_for(lambda: len({run.response_id for run in service.live_requests()}) == 2,
+                 WAIT_S, "both requests in progress")
+        both = cancel(server.url, "shared")
+        assert both.status_code == 400, both.text
+        ids = sorted(run.response_id for run in service.live_requests())
+        assert both.json()["error"]["param"] == "id"
+        assert all(i in both.json()["error"]["message"] for i in ids)
+        assert all(run.cancelled is None for run in service.live_requests())
+        for ident in ids:
+            assert cancel(server.url, ident).status_code == 202
+        for thread in threads:
+            thread.join(WAIT_S)
+        for response in out:
+            assert response.status_code == 409, response.text
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "calexec_admin_cancels_total", {"outcome": "ambiguous"}) == 1
+
+
+def test_a_second_cancel_of_a_request_still_ending_answers_the_same(tmp_path, monkeypatch):
+    """A cancelled request held before its ``finish`` (an Event barrier around the service's
+    public ``finish``): a second cancel answers the same 202 body and tells nothing more
+    (counted ``repeated``); once it finished, a third is 404."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        gate = asyncio.Event()
+        reached = threading.Event()
+        finish = service.finish
+
+        async def held_finish(run, abandoned=False):
+            if run.cancelled is not None:
+                reached.set()
+                await gate.wait()
+            await finish(run, abandoned)
+        monkeypatch.setattr(service, "finish", held_finish)
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        thread = posted(server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40},
+                        out, {"x-request-id": "twice"})
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "a job held on the device")
+        first = cancel(server.url, "twice")
+        assert reached.wait(WAIT_S)
+        second = cancel(server.url, "twice")
+        assert first.status_code == second.status_code == 202, second.text
+        assert first.json() == second.json()
+        server.loop.call_soon_threadsafe(gate.set)
+        thread.join(WAIT_S)
+        assert_aborted(out[0], "twice")
+        assert cancel(server.url, "twice").status_code == 404
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        for outcome, count in (("cancelled", 1), ("repeated", 1), ("not_found", 1)):
+            assert metric_value(metrics, "calexec_admin_cancels_total",
+                                {"outcome": outcome}) == count, outcome
+        assert metric_value(metrics, "calexec_request_failures_total",
+                            {"code": "request.aborted"}) == 1
