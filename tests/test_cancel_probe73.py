@@ -171,13 +171,17 @@ def test_a_running_request_is_cancelled_by_its_response_id_and_every_choice_ends
 
 
 # ---- a stream -------------------------------------------------------------------------------
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-def test_a_stream_cancelled_after_its_first_token_ends_with_the_error_event(tmp_path, route):
-    """The prefill stepped through (the first token sent), the next job held: cancelled, the
-    stream's last event is the error event ``request.aborted`` (no ``[DONE]``, as every
-    failure after a stream started), and everything comes back."""
-    body = ({"prompt": PROMPT} if route == "/v1/completions"
-            else {"messages": [{"role": "user", "content": "hello"}]})
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]})],
+    ids=["completions", "completions_n2", "chat"])
+def test_a_stream_cancelled_after_its_first_token_ends_with_the_error_event(tmp_path, route,
+                                                                            body):
+    """Jobs stepped through one at a time until the first token's event is sent, the next
+    job held (a streamed burst's; ``n`` 2: one choice's): cancelled, the stream's last event
+    is the error event ``request.aborted`` (no ``[DONE]``, as every failure after a stream
+    started), and everything comes back."""
     with served(tmp_path) as (server, service, executor):
         emu = executor.device.emu
         assert emu.set_stepped(True) == 0
@@ -195,8 +199,12 @@ def test_a_stream_cancelled_after_its_first_token_ends_with_the_error_event(tmp_
                         first.set()
         thread = threading.Thread(target=read)
         thread.start()
-        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the prefill on the device")
-        assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0
+        for _ in range(8):  # (bounded: a prefill or two, then the first event)
+            wait_for(lambda: busy_engine(emu) is not None or first.is_set(), WAIT_S,
+                     "a job on the device or the first event")
+            if first.is_set():
+                break
+            assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0
         assert first.wait(WAIT_S)
         wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the next job on the device")
         assert cancel(server.url, "stream-1").status_code == 202
@@ -359,3 +367,42 @@ def test_a_second_cancel_of_a_request_still_ending_answers_the_same(tmp_path, mo
                                 {"outcome": outcome}) == count, outcome
         assert metric_value(metrics, "calexec_request_failures_total",
                             {"code": "request.aborted"}) == 1
+
+
+def test_a_cancel_between_two_choices_admits_no_more(tmp_path, monkeypatch):
+    """``n`` 3 one choice at a time (max_sequences 2: ``choice_concurrency`` 1), held after
+    its first choice finished (an Event barrier after the service's public ``finish``) and
+    before the second's admission: no run of it is in progress, yet the cancel finds the
+    request (202), no choice more is admitted and the client gets 409 ``request.aborted``;
+    counted as a later choice's refusal is."""
+    with served(tmp_path, max_sequences=2) as (server, service, executor):
+        gate = asyncio.Event()
+        reached = threading.Event()
+        finish = service.finish
+
+        async def held_finish(run, abandoned=False):
+            await finish(run, abandoned)
+            if run.status is None and not reached.is_set():  # the first choice, whole
+                reached.set()
+                await gate.wait()
+        monkeypatch.setattr(service, "finish", held_finish)
+        out: list = []
+        thread = posted(server.url, "/v1/completions",
+                        {"prompt": PROMPT, "n": 3, "max_tokens": 2}, out,
+                        {"x-request-id": "between"})
+        assert reached.wait(WAIT_S)
+        assert not service.live_requests()
+        answer = cancel(server.url, "between")
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["response_ids"] and answer.json()["x_request_id"] == "between"
+        server.loop.call_soon_threadsafe(gate.set)
+        thread.join(WAIT_S)
+        assert_aborted(out[0], "between")
+        assert_all_back(service, executor)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "calexec_request_success_total") == 1
+        assert metric_value(metrics, "calexec_request_failures_total",
+                            {"code": "request.aborted"}) == 1
+        assert metric_value(metrics, "calexec_requests_total", {"stream": "false"}) == 1
+        assert metric_value(metrics, "calexec_api_requests_total",
+                            {"outcome": "refused"}) == 1
