@@ -22,6 +22,8 @@ pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
+from calexec.drivers.fleet.edge import serve_relayed  # noqa: E402
+from calexec.drivers.serving.handoff import PROGRESS_TYPE  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
@@ -80,12 +82,15 @@ def assert_aborted(response: httpx.Response, ident: str) -> None:
     assert status["http_status"] == 409 and status["grpc_code"] == "ABORTED", status
 
 
-def assert_all_back(service, executor) -> None:
-    """Every sequence id, the waiting queue and the device's slots are back."""
+def assert_all_back(service, executor, device: bool = True) -> None:
+    """Every sequence id, the waiting queue and (``device``) the device's slots are back."""
     wait_for(lambda: service.active == 0 and service.sequences.in_use == 0
              and service.releases_pending == 0, WAIT_S, "every sequence id back")
     assert service.sequences.consistent() and service.sequences.withheld == 0
     assert service.admission.waiting == 0
+    if not device:
+        return
+
     def device_idle() -> bool:
         snap = executor.snapshot()
         slots = snap["slots"]
@@ -406,3 +411,45 @@ def test_a_cancel_between_two_choices_admits_no_more(tmp_path, monkeypatch):
         assert metric_value(metrics, "calexec_requests_total", {"stream": "false"}) == 1
         assert metric_value(metrics, "calexec_api_requests_total",
                             {"outcome": "refused"}) == 1
+
+
+def test_a_fleet_stream_cancelled_on_a_draining_replica_is_not_resumed_elsewhere(tmp_path):
+    """A fleet stream (the progress channel the ingress asks for, ``serve_relayed``) on a
+    replica that then drains: cancelled, its progress report before the error event says
+    ``retryable: false``, so the ingress does not run it again on a sibling (a stream that
+    ends while its replica does not serve is otherwise reported retryable)."""
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        messages: list[dict] = []
+        request = {"method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                   "query_string": b"", "http_version": "1.1", "progress": True,
+                   "headers": [(b"content-type", b"application/json"),
+                               (b"x-request-id", b"fleet-1")],
+                   "body": json.dumps({"prompt": PROMPT, "max_tokens": 40,
+                                       "stream": True}).encode()}
+
+        async def relay() -> None:
+            async for message in serve_relayed(server.server.config.app, request):
+                messages.append(message)
+        done = asyncio.run_coroutine_threadsafe(relay(), server.loop)
+
+        def token_sent() -> bool:
+            return any(m.get("type") == "http.response.body" and b'"choices"' in m.get("body", b"")
+                       for m in list(messages))
+        for _ in range(8):  # (bounded: the prefill, then the first token's event)
+            wait_for(lambda: busy_engine(emu) is not None or token_sent(), WAIT_S,
+                     "a job on the device or the first event")
+            if token_sent():
+                break
+            assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the next job on the device")
+        drain = httpx.post(f"{server.url}/admin/drain?grace=60", headers=AUTH, timeout=WAIT_S)
+        assert drain.status_code == 202, drain.text
+        assert cancel(server.url, "fleet-1").status_code == 202
+        done.result(WAIT_S)
+        errors = [m for m in messages if m.get("type") == PROGRESS_TYPE and "error" in m]
+        assert errors and errors[-1]["error"] == "request.aborted", messages
+        assert errors[-1]["retryable"] is False
+        assert emu.set_stepped(False) == 0
+        assert_all_back(service, executor, device=False)  # (the drain's end stops the executor)

@@ -55,6 +55,7 @@ from calexec.drivers.serving.sampling import (
     draw_seed,
 )
 from calexec.drivers.serving.service import (
+    ABORTED,
     STREAM_AHEAD,
     Admission,
     CompletionService,
@@ -1278,6 +1279,17 @@ def choice_seed(seed: int | None, k: int) -> int | None:
     return int.from_bytes(digest, "big") >> 1  # in [0, 2**63): a valid seed
 
 
+def fleet_retryable(status: Status, service: CompletionService) -> bool:
+    """Whether a stream that ends with ``status`` is one the fleet ingress may resume on a
+    sibling (its progress report's ``retryable``): a retryable or device-side category, or a
+    replica that no longer serves (draining, recovering); never an operator's cancel
+    (``request.aborted``), which a sibling would otherwise run again from where it stopped
+    when the cancelling replica drains."""
+    if status.code == ABORTED:
+        return False
+    return status.category in RESUMABLE or not service.ready
+
+
 class _Choices:
     """The shared state of a request of several choices (``_generate_many``)."""
 
@@ -2127,8 +2139,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                     if not counted:  # (a later choice refused admission)
                         service.metrics.observe_refusal(status)
                     if state.progress is not None:
-                        state.progress({"error": status.code, "retryable":
-                                        status.category in RESUMABLE or not service.ready,
+                        state.progress({"error": status.code,
+                                        "retryable": fleet_retryable(status, service),
                                         "cause": "drained" if service.draining
                                         else "unavailable"})
                     yield wire.sse({"error": error_bodies.error_body(
@@ -2215,8 +2227,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                     yield b"".join(ready)
                 if run.status is not None:
                     if progress is not None:
-                        progress({"error": run.status.code, "retryable":
-                                  run.status.category in RESUMABLE or not service.ready,
+                        progress({"error": run.status.code,
+                                  "retryable": fleet_retryable(run.status, service),
                                   "cause": "drained" if service.draining else "unavailable"})
                     yield wire.sse({"error": error_bodies.error_body(
                         run.status, failure_param(run)
