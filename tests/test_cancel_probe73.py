@@ -23,6 +23,7 @@ import httpx  # noqa: E402
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
 from calexec.drivers.fleet.edge import serve_relayed  # noqa: E402
+from calexec.drivers.fleet.ingress import fleet_body_too_large  # noqa: E402
 from calexec.drivers.serving.handoff import PROGRESS_TYPE  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
@@ -290,6 +291,11 @@ def test_the_cancel_route_follows_the_admin_routes_rules(tmp_path):
         body = cancel(url, "x", json={"id": "x"})
         assert body.status_code == 400 and "takes no body" in body.json()["error"]["message"]
         assert cancel(url, "x", json={}).status_code == 404  # ({}: says nothing)
+        large = cancel(url, "x", content=b"x" * (2 << 20))  # over max_body_bytes: what it takes
+        assert large.status_code == 413 and "takes no body" in large.json()["error"]["message"]
+        fleet_large = fleet_body_too_large(128, "/admin/cancel/cmpl-1")  # the ingress's 413
+        assert "takes no body" in fleet_large.message and "--max-body-bytes" not in \
+            fleet_large.message
         for bad in ("", "%C3%A9t%C3%A9", "a" * 129):
             shape = cancel(url, bad)
             assert shape.status_code == 400, (bad, shape.text)

@@ -170,7 +170,10 @@ FLEET_MORE_BYTES = ("send a smaller body (fewer or shorter prompts), or start th
 def fleet_body_too_large(limit: int, path: str) -> Status:
     """The failure of the ingress's 413 for a body to ``path`` over ``limit`` bytes
     (:data:`FLEET_TAKES`, else :data:`FLEET_MORE_BYTES`)."""
-    return error_bodies.body_too_large(limit, FLEET_TAKES.get(path, FLEET_MORE_BYTES))
+    takes = FLEET_TAKES.get(path)
+    if takes is None and path.startswith("/admin/cancel/"):  # (its id is in the path)
+        takes = admin.CANCEL_TAKES
+    return error_bodies.body_too_large(limit, takes or FLEET_MORE_BYTES)
 
 
 @attrs.frozen
