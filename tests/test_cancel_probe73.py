@@ -459,3 +459,25 @@ def test_a_fleet_stream_cancelled_on_a_draining_replica_is_not_resumed_elsewhere
         assert errors[-1]["retryable"] is False
         assert emu.set_stepped(False) == 0
         assert_all_back(service, executor, device=False)  # (the drain's end stops the executor)
+
+
+def test_a_cancelled_request_is_vllms_abort(tmp_path):
+    """With vLLM's metric names, a request an operator cancelled is counted
+    ``vllm:request_success_total{finished_reason="abort"}``, as vLLM counts a request its
+    engine aborted (it was shown 0 whatever happened)."""
+    with served(tmp_path, max_sequences=1, metrics_names="vllm") as (server, service, executor):
+        held = service.sequences.acquire()
+        out: list = []
+        thread = posted(server.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, out,
+                        {"x-request-id": "vllm-abort"})
+        wait_for(lambda: service.admission.waiting == 1, WAIT_S, "the request waiting")
+        assert cancel(server.url, "vllm-abort").status_code == 202
+        thread.join(WAIT_S)
+        assert_aborted(out[0], "vllm-abort")
+        service.sequences.release(held)
+        assert_all_back(service, executor)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "vllm:request_success_total",
+                            {"finished_reason": "abort"}) == 1
+        assert metric_value(metrics, "vllm:request_success_total",
+                            {"finished_reason": "stop"}) == 0

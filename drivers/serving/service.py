@@ -2115,6 +2115,8 @@ class CompletionService:
             pass  # no failure: the sibling replica counts its end
         elif run.status is not None:
             m.observe_failure(run.status)
+            if run.status.code == ABORTED and m.vllm is not None:
+                m.vllm.success["abort"].inc()  # (vLLM's count of a request its engine aborted)
         else:
             m.success.labels(str(run.finish_reason)).inc()
             m.prompt_tokens.inc(len(run.prompt))
