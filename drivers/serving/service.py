@@ -1236,10 +1236,13 @@ class CompletionService:
             run.finish_reason = "length"
             return None
         if run.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
-            with anyio.CancelScope() as waiting:  # (an operator's cancel ends the wait)
-                run.scope = waiting
-                refused = await self.resumer.take_sequence(run)
-            run.scope = None
+            refused = None
+            try:
+                with anyio.CancelScope() as waiting:  # (an operator's cancel ends the wait)
+                    run.scope = waiting
+                    refused = await self.resumer.take_sequence(run)
+            finally:  # (no exited scope is left for a later cancel to cancel)
+                run.scope = None
             if waiting.cancelled_caught or run.cancelled is not None:
                 # the wait left the queue and gave back an id it was handed (admission.wait)
                 run.status = run.cancelled
@@ -1268,12 +1271,15 @@ class CompletionService:
         # released once the job ended (finish()).
         stop_at = run.deadline + self.config.deadline_slack_s / 10
         burst = self._burstable(run)
-        with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
-            run.scope = scope  # (an operator's cancel cancels it: ``cancel``)
-            got = await self._run_burst(run) if burst else None
-            if got is None:  # no burst, or it took no step: the plain path takes this one
-                got = await self._run_job(run)
-        run.scope = None
+        got = None
+        try:
+            with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
+                run.scope = scope  # (an operator's cancel cancels it: ``cancel``)
+                got = await self._run_burst(run) if burst else None
+                if got is None:  # no burst, or it took no step: the plain path takes this one
+                    got = await self._run_job(run)
+        finally:
+            run.scope = None
         if scope.cancelled_caught or run.cancelled is not None:
             if run.handle is not None:
                 run.handle.cancel()
