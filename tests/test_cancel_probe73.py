@@ -140,12 +140,16 @@ def test_a_request_waiting_for_admission_is_cancelled_and_leaves_the_queue(tmp_p
                                    {"prompt": [PROMPT, [9, 10]]},
                                    {"prompt": PROMPT, "stop": ["never said"]}],
                          ids=["one", "n3", "prompt_list", "plain_path"])
+@pytest.mark.parametrize("config", [{}, {"inline_waits": False, "decode_bursts": False,
+                                         "prearm": False}], ids=["default", "worker_waits"])
 def test_a_running_request_is_cancelled_by_its_response_id_and_every_choice_ends(tmp_path,
-                                                                                   shape):
+                                                                                   shape,
+                                                                                   config):
     """Its job held on the stepped device: cancelled by its response id (read from the
     server's live requests), every choice ends, the client gets 409 ``request.aborted``; once
-    the device runs again (the cancel never freed what it held, §7) every id comes back."""
-    with served(tmp_path) as (server, service, executor):
+    the device runs again (the cancel never freed what it held, §7) every id comes back.
+    Also with the waits on worker threads, no burst and no pre-armed decode stream."""
+    with served(tmp_path, **config) as (server, service, executor):
         emu = executor.device.emu
         assert emu.set_stepped(True) == 0
         out: list = []
