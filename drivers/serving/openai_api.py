@@ -750,7 +750,12 @@ def query_field_refusal(request: Request, model: type[Body]) -> Refusal | None:
     /v1/completions?stream=true``, ``/tokenize?add_special_tokens=false``): the API's routes
     read their parameters from the JSON body alone, so it answered as if unsaid (a whole
     answer where a stream was asked). A query parameter no body field is named so (an Azure
-    client's ``api-version``) is not the body's and is ignored, as OpenAI and vLLM ignore it."""
+    client's ``api-version``) is not the body's and is ignored, as OpenAI and vLLM ignore it.
+    A request without a query (nearly every one) is not parsed for one: Starlette's
+    ``query_params`` of an empty query string has no key (about 10 of the event loop's Python
+    calls a request; issue 28, stop 73)."""
+    if not request.scope.get("query_string"):
+        return None
     given = sorted(key for key in request.query_params if key in model.model_fields)
     if not given:
         return None
