@@ -74,6 +74,10 @@ class NoTokenLeft(SamplingError):
     body field to change."""
 
 
+# The scalar validators below raise where their test fails, without :func:`_check`: its
+# message was formatted (``f"...{PENALTY_RANGE:g}..."``) and a call made for every field of
+# every request's parameters, about 10 of the event loop's Python calls a request (issue 28,
+# stop 73); the loops over a field's items keep it.
 def _check(field: str, ok: bool, value: Any, why: str) -> None:
     if not ok:
         raise SamplingError(field, value, why)
@@ -89,23 +93,23 @@ def _is_number(value: Any) -> bool:
 
 
 def _validate_temperature(_inst: Any, _attr: Any, value: float) -> None:
-    _check("temperature", _is_number(value) and math.isfinite(value) and 0.0 <= value <= 2.0,
-           value, "must be a number in [0, 2]")
+    if not (_is_number(value) and math.isfinite(value) and 0.0 <= value <= 2.0):
+        raise SamplingError("temperature", value, "must be a number in [0, 2]")
 
 
 def _validate_top_p(_inst: Any, _attr: Any, value: float) -> None:
-    _check("top_p", _is_number(value) and math.isfinite(value) and 0.0 < value <= 1.0, value,
-           "must be a number in (0, 1]")
+    if not (_is_number(value) and math.isfinite(value) and 0.0 < value <= 1.0):
+        raise SamplingError("top_p", value, "must be a number in (0, 1]")
 
 
 def _validate_top_k(_inst: Any, _attr: Any, value: int) -> None:
-    _check("top_k", fields.is_int(value) and (value >= 1 or value in (0, -1)), value,
-           "must be an integer >= 1, or 0 / -1 for all tokens")
+    if not (fields.is_int(value) and (value >= 1 or value in (0, -1))):
+        raise SamplingError("top_k", value, "must be an integer >= 1, or 0 / -1 for all tokens")
 
 
 def _validate_seed(_inst: Any, _attr: Any, value: int | None) -> None:
-    _check("seed", value is None or (fields.is_int(value) and SEED_MIN <= value <= SEED_MAX), value,
-           f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
+    if not (value is None or (fields.is_int(value) and SEED_MIN <= value <= SEED_MAX)):
+        raise SamplingError("seed", value, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
 
 
 def _validate_stop(_inst: Any, _attr: Any, value: tuple[str, ...]) -> None:
@@ -122,19 +126,20 @@ def _validate_stop_ids(_inst: Any, _attr: Any, value: tuple[int, ...]) -> None:
 
 
 def _validate_min_p(_inst: Any, _attr: Any, value: float) -> None:
-    _check("min_p", _is_number(value) and math.isfinite(value) and 0.0 <= value <= 1.0, value,
-           "must be a number in [0, 1]")
+    if not (_is_number(value) and math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise SamplingError("min_p", value, "must be a number in [0, 1]")
 
 
 def _validate_repetition(_inst: Any, _attr: Any, value: float) -> None:
-    _check("repetition_penalty", _is_number(value) and math.isfinite(value) and value > 0.0,
-           value, "must be a number > 0 (1 = off)")
+    if not (_is_number(value) and math.isfinite(value) and value > 0.0):
+        raise SamplingError("repetition_penalty", value, "must be a number > 0 (1 = off)")
 
 
 def _validate_penalty(_inst: Any, attr: Any, value: float) -> None:
-    _check(attr.name, _is_number(value) and math.isfinite(value)
-           and -PENALTY_RANGE <= value <= PENALTY_RANGE, value,
-           f"must be a number in [{-PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
+    if not (_is_number(value) and math.isfinite(value)
+            and -PENALTY_RANGE <= value <= PENALTY_RANGE):
+        raise SamplingError(attr.name, value,
+                            f"must be a number in [{-PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
 
 
 def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float], ...]) -> None:
@@ -148,7 +153,8 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
 
 
 def _validate_min_tokens(_inst: Any, _attr: Any, value: int) -> None:
-    _check("min_tokens", fields.is_int(value) and value >= 0, value, "must be an integer >= 0")
+    if not (fields.is_int(value) and value >= 0):
+        raise SamplingError("min_tokens", value, "must be an integer >= 0")
 
 
 def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> None:
@@ -180,8 +186,8 @@ def _pair_tuple(value: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], 
 
 
 def _validate_logprobs(_inst: Any, _attr: Any, value: int | None) -> None:
-    _check("logprobs", value is None or (fields.is_int(value) and 0 <= value <= MAX_LOGPROBS), value,
-           f"must be null or an integer in [0, {MAX_LOGPROBS}]")
+    if not (value is None or (fields.is_int(value) and 0 <= value <= MAX_LOGPROBS)):
+        raise SamplingError("logprobs", value, f"must be null or an integer in [0, {MAX_LOGPROBS}]")
 
 
 @attrs.frozen
