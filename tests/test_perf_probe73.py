@@ -23,11 +23,13 @@ from calexec.drivers.serving.openai_api import (
     ChatRequest,
     CompletionRequest,
     Refusal,
+    TextOutput,
     metadata_refusal,
     parse,
     refusal,
 )
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams
+from test_stop_holdback import TOK, Reference
 
 
 def _reference_refusal(body: Any) -> tuple[str | None, str] | None:
@@ -145,3 +147,23 @@ _EDGES: list[tuple[str, Any]] = [
 def test_each_scalar_sampling_parameter_takes_its_bounds(field, value):
     built: Callable[..., SamplingParams] = SamplingParams
     assert getattr(built(**{field: value}), field) == value
+
+
+#: byte tokens (ids 256..511) of ASCII and of a UTF-8 character's bytes (a piece may be held
+#: by the detokenizer until the character is whole), and special ids
+_TEXT_TOKENS = [256 + b for b in b"ab <>1"] + [256 + b for b in "é€".encode()] + [1, 11]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.sampled_from(_TEXT_TOKENS), max_size=40), keep=st.booleans(),
+       min_tokens=st.integers(0, 3))
+def test_text_without_stop_strings_is_the_reference_holdbacks(tokens, keep, min_tokens):
+    """``TextOutput`` without stop strings does not ask ``_held`` since stop 73 (nothing to
+    hold back): every piece, ``sent``, ``text`` and the flush equal the hold-back
+    reference's (tests/test_stop_holdback.py's, which generates stop strings only)."""
+    ours, ref = TextOutput(TOK, (), keep, min_tokens), Reference((), keep)
+    for token in tokens:
+        assert ours.add(token) == ref.add(token)
+        assert ours.sent == ref.sent and not ours.stopped
+    assert ours.flush() == ref.flush()
+    assert ours.text == ref.text

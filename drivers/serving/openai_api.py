@@ -1072,7 +1072,9 @@ class TextOutput:
                 text = text[:at + length] if self._keep_stop else text[:at]
                 self.stopped = final = True
         self.text = text
-        end = len(text) if final else len(text) - self._held(text)
+        # (no stop string: nothing is held back, ``_held`` would say 0; not asked, about 16
+        # of the event loop's Python calls a plain request; issue 28, stop 73)
+        end = len(text) if final or not self._stop else len(text) - self._held(text)
         piece = text[self._sent:end]
         self._sent = max(self._sent, end)
         return piece
