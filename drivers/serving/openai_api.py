@@ -1923,7 +1923,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                     out.add(token)
                     if out.stopped:
                         run.finish_reason, run.stop_reason = "stop", out.stop_string
-                    elif hand_off(request, run):
+                    elif progress is not None and hand_off(request, run):  # (it needs progress)
                         handed = True
                         handed_off(run)
                         return
