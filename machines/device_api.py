@@ -85,7 +85,8 @@ class ModelApi(Protocol):
 
     @property
     def info(self) -> RuntimeModelInfo:
-        """What the runtime reports about the graph (``GetAllModels``)."""
+        """What the runtime reports about the graph (``GetAllModels``); RuntimeError when it
+        cannot be read (the runtime refuses it, or a name is not UTF-8)."""
         ...
 
     def create_input_buf(self) -> tuple[int, InputBufApi | None]: ...

@@ -39,6 +39,9 @@ from calexec.machines.pool import BufferPool
 #: is missing, unreadable or not a calbin the runtime takes, or the runtime failed loading
 #: it); the category is the §8 row of the raw code (ARTIFACT: the file's fault)
 CALBIN_LOAD_FAILED = "calrt.calbin_load_failed"
+#: the code of a generation whose loaded calbin's models the runtime cannot describe
+#: (``ModelApi.info`` raised: introspection refused, a name that is no UTF-8); ARTIFACT
+MODEL_INFO_FAILED = "calrt.model_info_failed"
 
 
 def calbin_load_failed(rc: int, calbin_path: str, generation_id: int) -> Status:
@@ -156,7 +159,13 @@ def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, gen
     rc, models = calbin.models()
     if rc != 0:
         return undo(Status.from_calrt(rc, Phase.LOOKUP, "GetAllModels", **ctx))
-    contracts = manifest.resolve([m.info for m in models], generation_id=generation_id,
+    try:  # (a RuntimeError came out of the switch, the lifecycle left in Configuring)
+        infos = [m.info for m in models]
+    except RuntimeError as err:
+        return undo(Status.failure(MODEL_INFO_FAILED, Category.ARTIFACT, Phase.LOOKUP,
+                                   f"the models of calbin {calbin_path!r} cannot be read: {err}",
+                                   **ctx))
+    contracts = manifest.resolve(infos, generation_id=generation_id,
                                  calbin_sha256=calbin.sha256)
     if isinstance(contracts, Status):
         return undo(contracts)

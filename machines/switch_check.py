@@ -37,7 +37,7 @@ from calexec.contracts.fields import shown as as_json
 from calexec.contracts.manifest import Manifest
 from calexec.contracts.runtime_view import RuntimeModelInfo
 from calexec.contracts.status import Phase, Status
-from calexec.machines.generation import CALBIN_LOAD_FAILED
+from calexec.machines.generation import CALBIN_LOAD_FAILED, MODEL_INFO_FAILED
 
 #: longest path accepted (Linux PATH_MAX)
 MAX_PATH_CHARS = 4096
@@ -231,7 +231,8 @@ def start_refusal(status: Status, path: str) -> Status | None:
     """The ``calbin.<reason>`` refusal (as :func:`check_calbin` words it) that a failed start
     or switch of ``path`` is when the calbin is what was refused, else None: the runtime's
     loader refused the file (``calrt.calbin_load_failed`` with an ARTIFACT code: missing,
-    unreadable, not a calbin; ``calbin.invalid``), or the manifest does not describe what it
+    unreadable, not a calbin; ``calbin.invalid``; or its models cannot be read,
+    ``calrt.model_info_failed``: a name that is no UTF-8), or the manifest does not describe what it
     loaded (``manifest.<reason>``, the sha256 pin included: ``calbin.manifest_mismatch``).
     A vendor runtime's loader runs only there (its check on the host would need a second
     device), and a start does not read the file once more for a check of its own."""
@@ -239,6 +240,8 @@ def start_refusal(status: Status, path: str) -> Status | None:
     if status.code == CALBIN_LOAD_FAILED and status.category is Category.ARTIFACT:
         return refused("invalid", shown, "not a calbin the runtime loads: the loader refused "
                        f"it ({_rc_name(status.raw)})")
+    if status.code == MODEL_INFO_FAILED:  # (its models' names or shapes cannot be read)
+        return refused("invalid", shown, f"not a calbin the runtime loads: {status.message}")
     if status.code.startswith("manifest."):
         return refused("manifest_mismatch", shown,
                        f"{status.code}: {status.message or status.code}")

@@ -196,7 +196,10 @@ class CalRT:
                 rc, models = calbin.models()
                 if rc != 0:
                     return f"its models cannot be listed ({_name(Rc, rc)})"
-                return tuple(model.info for model in models)
+                try:
+                    return tuple(model.info for model in models)
+                except RuntimeError as err:  # (a name that is no UTF-8; introspection refused)
+                    return f"its models cannot be read ({err})"
             finally:
                 calbin.unload()
         finally:
@@ -372,6 +375,16 @@ class Calbin:
         return self._lib.calrt_calbin_unload(self._h)
 
 
+def _utf8(raw: bytes, what: str) -> str:
+    """``raw`` (a name the runtime gives) as text; RuntimeError naming ``what`` and the bytes
+    when they are not UTF-8 (no manifest names such a model, tensor, CSR or key)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RuntimeError(f"{what} of the calbin is not UTF-8 ({err.reason} at byte "
+                           f"{err.start}): {raw[:80]!r}") from None
+
+
 class Model:
     """One graph of a calbin; ``info`` is its RuntimeModelInfo (read once, cached)."""
 
@@ -396,7 +409,10 @@ class Model:
 
     @property
     def info(self) -> RuntimeModelInfo:
-        """Raises RuntimeError naming the code if the runtime refuses introspection."""
+        """Raises RuntimeError naming the code if the runtime refuses introspection, or the
+        name if one it gives is not UTF-8 (a loader that takes any byte in a name: until stop
+        73 the ``UnicodeDecodeError`` came out of a reload's check, a 500, and out of a model
+        switch, which stayed in Configuring for good)."""
         if self._info is None:
             self._info = self._read_info()
         return self._info
@@ -410,7 +426,7 @@ class Model:
         buf = self._ffi.new("char[]", 256)
         n = self._ffi.new("int32_t *")
         self._check(lib.calrt_model_name(self._h, buf, 256), "model_name")
-        name = self._ffi.string(buf).decode()
+        name = _utf8(self._ffi.string(buf), "a model name")
         tinfo = self._ffi.new("calrt_tensor_info *")
 
         def tensors(count_fn, info_fn) -> list[RuntimeTensorInfo]:
@@ -419,7 +435,7 @@ class Model:
             for i in range(n[0]):
                 self._check(info_fn(self._h, i, tinfo), f"{name}: tensor info {i}")
                 out.append(RuntimeTensorInfo(
-                    name=self._ffi.string(tinfo.name).decode(),
+                    name=_utf8(self._ffi.string(tinfo.name), f"{name}: a tensor name"),
                     shape=[tinfo.shape[d] for d in range(tinfo.rank)],
                     dtype=dtype_name(tinfo.dtype),
                     byte_size=int(tinfo.byte_size),
@@ -433,13 +449,13 @@ class Model:
         csrs = []
         for i in range(n[0]):
             self._check(lib.calrt_model_csr_name(self._h, i, buf, 256), f"{name}: csr {i}")
-            csrs.append(self._ffi.string(buf).decode())
+            csrs.append(_utf8(self._ffi.string(buf), f"{name}: a CSR name"))
         self._check(lib.calrt_model_num_meta(self._h, n), f"{name}: meta count")
         meta = {}
         val = self._ffi.new("int64_t *")
         for i in range(n[0]):
             self._check(lib.calrt_model_meta_at(self._h, i, buf, 256, val), f"{name}: meta {i}")
-            meta[self._ffi.string(buf).decode()] = int(val[0])
+            meta[_utf8(self._ffi.string(buf), f"{name}: a meta key")] = int(val[0])
         return RuntimeModelInfo(name=name, inputs=inputs, outputs=outputs, csr_names=csrs, meta=meta)
 
     def meta(self, key: str) -> tuple[int, int]:

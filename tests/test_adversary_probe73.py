@@ -1,0 +1,103 @@
+"""Adversarial admin input and model switches found by probing a loopback ``calexec serve``
+at stop 73 (branch probe-adversary). Real executor on the bundled emulator; loopback only;
+every wait bounded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from test_server_support import LiveServer, started_executor
+
+TOKEN = "adversary-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+#: a synthetic calbin's line, and the same line with a byte that is no UTF-8 in its name: the
+#: emulator's loader takes any byte but a space or a line end in these names (a CSR's or a
+#: tensor's must be one it knows)
+NOT_UTF8 = {"meta_key": (b"meta hidden 64", b"meta hidd\x94n 64"),
+            "model_name": (b"model qwen3_prefill_ids_s40960_b1",
+                           b"model qwen3_prefill_ids_s40960_b\x94")}
+
+
+def _not_utf8_calbin(tmp: Path, where: str) -> str:
+    """The default synthetic calbin (written into ``tmp`` by ``started_executor``) with one
+    name (``where``: a key of ``NOT_UTF8``) holding the byte 0x94: its path."""
+    good = (tmp / "synthetic.calbin").read_bytes()
+    line, bad = NOT_UTF8[where]
+    assert line in good, where
+    path = tmp / f"{where}.calbin"
+    path.write_bytes(good.replace(line, bad, 1))
+    return str(path)
+
+
+@pytest.mark.parametrize("where", sorted(NOT_UTF8))
+def test_a_reload_of_a_calbin_whose_name_is_no_utf8_is_a_400_naming_it(tmp_path, where):
+    """A calbin the runtime's loader takes whose model or meta name holds a byte
+    that is no UTF-8 (one flipped byte of a file): ``POST /admin/reload`` answered 500
+    ``server.unexpected_error`` (a ``UnicodeDecodeError`` of the runtime driver's read of the
+    names, in the check that promises never to raise) and the server logged a traceback. It
+    is the 400 ``calbin.invalid`` of a file that is no calbin, naming the name; nothing moved,
+    the model serves on."""
+    executor = started_executor(tmp_path)
+    bad = _not_utf8_calbin(tmp_path, where)
+    generation = executor.gen.id if executor.gen is not None else None
+    try:
+        with LiveServer(create_app(executor, ServerConfig(admin_token=TOKEN))) as server, \
+                httpx.Client(base_url=server.url, timeout=30) as http:
+            reload = http.post("/admin/reload", json={"calbin": bad}, headers=AUTH)
+            answer = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    finally:
+        executor.shutdown(5.0)
+    assert reload.status_code == 400, reload.text
+    error = reload.json()["error"]
+    assert error["code"] == "calbin.invalid" and error["param"] == "calbin", error
+    assert "not UTF-8" in error["message"] and json.dumps(bad) in error["message"], error
+    assert answer.status_code == 200, answer.text
+    assert executor.gen is None or generation is not None  # (read before the shutdown)
+
+
+@pytest.mark.parametrize("where", sorted(NOT_UTF8))
+def test_a_switch_to_a_calbin_whose_name_is_no_utf8_rolls_back(tmp_path, where):
+    """``DeviceExecutor.switch_model`` of such a file (an embedder's call, or a file replaced
+    after the reload's check): the ``UnicodeDecodeError`` came out of the switch, which had
+    torn the old generation down, and the lifecycle stayed in Configuring for good (every
+    request 503, every later switch "cannot recover from lifecycle Configuring"). The switch
+    now fails as for any calbin the runtime refuses: rolled back, the previous calbin
+    serves."""
+    executor = started_executor(tmp_path)
+    good = str(tmp_path / "synthetic.calbin")
+    try:
+        status = executor.switch_model(_not_utf8_calbin(tmp_path, where))
+        state, reasons = executor.state, executor.health()
+        again = executor.switch_model(good)
+    finally:
+        executor.shutdown(5.0)
+    assert not status.ok and status.code == "recovery.rolled_back", status
+    assert "not UTF-8" in status.message, status
+    assert state == "Ready" and reasons == [], (state, reasons)
+    assert again.ok, again
+
+
+def test_a_start_on_a_calbin_whose_name_is_no_utf8_fails_and_says_why(tmp_path):
+    """``DeviceExecutor.start`` of such a file raised the ``UnicodeDecodeError`` (with the
+    calbin loaded and the lifecycle in Configuring); it ends Failed with a status naming the
+    name, as a start on a calbin the loader refuses."""
+    started_executor(tmp_path).shutdown(5.0)  # (writes the synthetic calbin into tmp_path)
+    bad = _not_utf8_calbin(tmp_path, "meta_key")
+    executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                              ExecutorConfig(calbin_path=bad))
+    try:
+        status = executor.start()
+    finally:
+        executor.shutdown(5.0)
+    assert not status.ok and "not UTF-8" in status.message, status
+    assert executor.state in ("Failed", "Stopped"), executor.state
+
