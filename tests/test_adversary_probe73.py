@@ -101,3 +101,39 @@ def test_a_start_on_a_calbin_whose_name_is_no_utf8_fails_and_says_why(tmp_path):
     assert not status.ok and "not UTF-8" in status.message, status
     assert executor.state in ("Failed", "Stopped"), executor.state
 
+
+def test_the_500_of_an_unexpected_error_says_the_connection_closes(tmp_path, monkeypatch):
+    """After a 500 ``server.unexpected_error`` the server closes the connection (uvicorn
+    closes it once the exception Starlette re-raises reaches it), but the 500 did not say so:
+    a client keeping the connection alive (httpx, the openai SDKs, curl with several URLs)
+    sent its next request on it and got ``ECONNRESET`` (an unexpected reload error, then a
+    completion, on one ``httpx.Client``). The 500 now says ``Connection: close``, so no
+    client reuses the connection it ends."""
+    from calexec.drivers.serving import openai_api
+    from test_server_support import ServeLikeServer, responses, send_raw
+
+    def broken(model, raw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(openai_api, "parse", broken)
+    executor = started_executor(tmp_path)
+    try:
+        with ServeLikeServer(create_app(executor, ServerConfig())) as server:
+            port = int(server.url.rsplit(":", 1)[1])
+            body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+            # (on a connection of its own: the server closes it after the 500)
+            raw = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                   + b"\r\n\r\n" + body)
+            data, how = send_raw(port, raw)
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                first = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+                after = http.get("/health")  # (a new connection, as the 500 said)
+    finally:
+        executor.shutdown(5.0)
+    (_, headers, _), = responses(data)
+    assert headers.get("connection") == "close", (headers, how)
+    assert first.status_code == 500 and first.headers.get("connection") == "close", \
+        first.headers
+    assert first.json()["error"]["code"] == "server.unexpected_error", first.text
+    assert after.status_code == 200, after.text

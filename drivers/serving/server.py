@@ -180,8 +180,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         # the id the client was answered with, so its report finds the traceback that follows
         log.error("request %s: %s %s: unexpected %s (traceback below)", request_id,
                   request.method, request.url.path[:200], type(exc).__name__)
-        # (sent by Starlette's outermost middleware: wire.RequestIds does not see it)
-        return error_response(status, None, retry, 500, {wire.REQUEST_ID_HEADER: request_id})
+        # (sent by Starlette's outermost middleware: wire.RequestIds does not see it).
+        # ``Connection: close``: uvicorn closes the connection once the exception Starlette
+        # re-raises reaches it; unsaid, a client kept it alive and its next request on it
+        # met ECONNRESET (until stop 73)
+        return error_response(status, None, retry, 500,
+                              {wire.REQUEST_ID_HEADER: request_id, **wire.CLOSE})
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
