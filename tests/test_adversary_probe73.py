@@ -137,3 +137,38 @@ def test_the_500_of_an_unexpected_error_says_the_connection_closes(tmp_path, mon
         first.headers
     assert first.json()["error"]["code"] == "server.unexpected_error", first.text
     assert after.status_code == 200, after.text
+
+
+#: a synthetic calbin's line, and the same line with bytes after its last field: the
+#: emulator's loader read the fields and dropped the rest, so a corrupted line loaded as
+#: another value (a seed, a meta value: another model) or lost the line it ran into
+TRAILING = {"seed": (b"seed 12648430\n", b"seed 1264843\x97\n"),
+            "meta_value": (b"meta vocab 151936\nmeta hidden 64\n",
+                           b"meta vocab 151936&meta hidden 64\n"),
+            "meta_junk": (b"meta max_batch 1\n", b"meta max_batch 1 2\n"),
+            "model_kind": (b"prefill_ids\n", b"prefill_ids x\n"),
+            "csr": (b"csr cur_seq_len\n", b"csr cur_seq_len x\n"),
+            "tensor": (b"input positions S32 1 1,40960\n", b"input positions S32 1 1,40960 x\n"),
+            "end": (b"end\n", b"end x\n")}
+
+
+@pytest.mark.parametrize("where", sorted(TRAILING))
+def test_a_calbin_line_with_bytes_after_its_fields_is_refused(tmp_path, where):
+    """One corrupted byte that ends a number early (``seed 1264843\\x97``: the seed 1264843,
+    another model's weights) or joins two lines (``meta vocab 151936&meta hidden 64``: no
+    ``hidden``) passed the reload's check (``check_calbin`` ok) and the loader; a line whose
+    fields are followed by anything but white space is now refused, ``calbin.invalid``, as
+    a line the loader cannot read."""
+    executor = started_executor(tmp_path)
+    good = (tmp_path / "synthetic.calbin").read_bytes()
+    line, bad = TRAILING[where]
+    assert line in good, where
+    path = tmp_path / f"{where}.calbin"
+    path.write_bytes(good.replace(line, bad, 1))
+    try:
+        status = executor.check_calbin(str(path))
+        fine = executor.check_calbin(str(tmp_path / "synthetic.calbin"))
+    finally:
+        executor.shutdown(5.0)
+    assert not status.ok and status.code == "calbin.invalid", status
+    assert fine.ok, fine

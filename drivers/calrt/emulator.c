@@ -18,6 +18,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include <ctype.h>
 #include <errno.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -447,12 +448,24 @@ static uint64_t dtype_size(int32_t d)
     }
 }
 
+/* Whether only white space is left at s (a line's end once sscanf read its fields: sscanf
+ * stops at the first byte its format does not take, so "meta vocab 151936&meta hidden 64" or
+ * "seed 1264843\x97" read as a meta of 151936 and a seed of 1264843, the rest dropped, and a
+ * corrupted file loaded as another model, until stop 73). */
+static int only_space(const char *s)
+{
+    while (*s && isspace((unsigned char)*s))
+        s++;
+    return *s == '\0';
+}
+
 /* "input|output <name> <dtype> <sliceable> <d0,d1,..>" -> t; 0 on a malformed line. */
 static int parse_tensor(const char *rest, emu_tensor *t)
 {
     char name[CALRT_NAME_MAX], dt[16], dims[256];
-    int sl;
-    if (sscanf(rest, "%63s %15s %d %255s", name, dt, &sl, dims) != 4 || (sl != 0 && sl != 1))
+    int sl, n = 0;
+    if (sscanf(rest, "%63s %15s %d %255s%n", name, dt, &sl, dims, &n) != 4 || (sl != 0 && sl != 1)
+        || !only_space(rest + n))
         return 0;
     memset(t, 0, sizeof *t);
     strcpy(t->name, name);
@@ -566,10 +579,11 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
         const char *rest = line + strlen(word);
         unsigned long long u;
         long long v;
-        if (!m && strcmp(word, "seed") == 0 && sscanf(rest, "%llu", &u) == 1) {
+        int n = 0; /* what sscanf read of rest: the line must end there (only_space) */
+        if (!m && strcmp(word, "seed") == 0 && sscanf(rest, " %llu%n", &u, &n) == 1 && only_space(rest + n)) {
             cb->seed = u;
             have_seed = 1;
-        } else if (!m && strcmp(word, "model") == 0 && sscanf(rest, "%63s %31s", a, b) == 2) {
+        } else if (!m && strcmp(word, "model") == 0 && sscanf(rest, "%63s %31s%n", a, b, &n) == 2 && only_space(rest + n)) {
             if (cb->n_models == MAX_MODELS)
                 return CALRT_ERR_INVALID_CALBIN;
             m = &cb->models[cb->n_models];
@@ -580,18 +594,18 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
                       : strcmp(b, "decode") == 0 ? KIND_DECODE : 0;
             if (!m->kind)
                 return CALRT_ERR_INVALID_CALBIN;
-        } else if (m && strcmp(word, "salt") == 0 && sscanf(rest, "%llu", &u) == 1) {
+        } else if (m && strcmp(word, "salt") == 0 && sscanf(rest, " %llu%n", &u, &n) == 1 && only_space(rest + n)) {
             m->salt = u;
-        } else if (m && strcmp(word, "meta") == 0 && sscanf(rest, "%63s %lld", a, &v) == 2 && m->n_meta < MAX_META) {
+        } else if (m && strcmp(word, "meta") == 0 && sscanf(rest, "%63s %lld%n", a, &v, &n) == 2 && only_space(rest + n) && m->n_meta < MAX_META) {
             strcpy(m->meta_key[m->n_meta], a);
             m->meta_val[m->n_meta++] = v;
         } else if (m && strcmp(word, "input") == 0 && m->n_in < MAX_TENSORS && parse_tensor(rest, &m->in[m->n_in])) {
             m->n_in++;
         } else if (m && strcmp(word, "output") == 0 && m->n_out < MAX_TENSORS && parse_tensor(rest, &m->out[m->n_out])) {
             m->n_out++;
-        } else if (m && strcmp(word, "csr") == 0 && sscanf(rest, "%63s", a) == 1 && m->n_csr < MAX_CSRS) {
+        } else if (m && strcmp(word, "csr") == 0 && sscanf(rest, "%63s%n", a, &n) == 1 && only_space(rest + n) && m->n_csr < MAX_CSRS) {
             strcpy(m->csr[m->n_csr++], a);
-        } else if (m && strcmp(word, "end") == 0) {
+        } else if (m && strcmp(word, "end") == 0 && only_space(rest)) {
             if (!model_finish(m))
                 return CALRT_ERR_INVALID_CALBIN;
             cb->n_models++;
