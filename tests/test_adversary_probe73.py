@@ -149,7 +149,10 @@ TRAILING = {"seed": (b"seed 12648430\n", b"seed 1264843\x97\n"),
             "model_kind": (b"prefill_ids\n", b"prefill_ids x\n"),
             "csr": (b"csr cur_seq_len\n", b"csr cur_seq_len x\n"),
             "tensor": (b"input positions S32 1 1,40960\n", b"input positions S32 1 1,40960 x\n"),
-            "end": (b"end\n", b"end x\n")}
+            "end": (b"end\n", b"end x\n"),
+            # (not trailing bytes: a sliceable flag past an int, read with %d, overflowed)
+            "sliceable": (b"output logits BF16 0 1,16,151936\n",
+                          b"output logits BF16 4294967296 1,16,151936\n")}
 
 
 @pytest.mark.parametrize("where", sorted(TRAILING))
@@ -158,7 +161,8 @@ def test_a_calbin_line_with_bytes_after_its_fields_is_refused(tmp_path, where):
     another model's weights) or joins two lines (``meta vocab 151936&meta hidden 64``: no
     ``hidden``) passed the reload's check (``check_calbin`` ok) and the loader; a line whose
     fields are followed by anything but white space is now refused, ``calbin.invalid``, as
-    a line the loader cannot read."""
+    a line the loader cannot read; so is a tensor's sliceable flag other than ``0`` or ``1``
+    (``4294967296``, read as an int, overflowed and loaded as 0)."""
     executor = started_executor(tmp_path)
     good = (tmp_path / "synthetic.calbin").read_bytes()
     line, bad = TRAILING[where]

@@ -462,11 +462,14 @@ static int only_space(const char *s)
 /* "input|output <name> <dtype> <sliceable> <d0,d1,..>" -> t; 0 on a malformed line. */
 static int parse_tensor(const char *rest, emu_tensor *t)
 {
-    char name[CALRT_NAME_MAX], dt[16], dims[256];
-    int sl, n = 0;
-    if (sscanf(rest, "%63s %15s %d %255s%n", name, dt, &sl, dims, &n) != 4 || (sl != 0 && sl != 1)
-        || !only_space(rest + n))
+    char name[CALRT_NAME_MAX], dt[16], slt[16], dims[256];
+    int n = 0;
+    /* the sliceable flag is the text "0" or "1": read with %d, 4294967296 overflowed (undefined
+     * behaviour; glibc made it 0 and the line loaded) */
+    if (sscanf(rest, "%63s %15s %15s %255s%n", name, dt, slt, dims, &n) != 4
+        || (strcmp(slt, "0") != 0 && strcmp(slt, "1") != 0) || !only_space(rest + n))
         return 0;
+    int sl = slt[0] == '1';
     memset(t, 0, sizeof *t);
     strcpy(t->name, name);
     t->dtype = dtype_parse(dt);
