@@ -176,3 +176,16 @@ def test_a_calbin_line_with_bytes_after_its_fields_is_refused(tmp_path, where):
         executor.shutdown(5.0)
     assert not status.ok and status.code == "calbin.invalid", status
     assert fine.ok, fine
+
+
+@pytest.mark.parametrize("where", sorted(TRAILING))
+def test_the_python_calbin_reader_refuses_what_the_loader_refuses(tmp_path, where):
+    """``drivers/synthetic/calbin.loads`` (one format, one grammar with the C loader) read a
+    line's first fields and dropped the rest too: it refuses such a line, naming it."""
+    from calexec.drivers.synthetic import calbin
+
+    good = calbin.dumps(calbin.default_spec())
+    line, bad = TRAILING[where]
+    assert calbin.loads(good) == calbin.default_spec()
+    with pytest.raises(ValueError, match="calbin line"):
+        calbin.loads(good.replace(line, bad, 1))

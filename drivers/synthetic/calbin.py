@@ -136,11 +136,23 @@ def write(path: str, spec: CalbinSpec | None = None) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: the fields each directive takes, no more: the emulator's loader refuses a line with
+#: anything after them (since stop 73)
+ARITY = {"seed": 1, "model": 2, "salt": 1, "meta": 2, "input": 4, "output": 4, "csr": 1,
+         "end": 0}
+
+
 def loads(data: bytes) -> CalbinSpec:
     """Parse calbin bytes; ValueError naming the line on a malformed file."""
     if not data.endswith(b"\n"):
         raise ValueError("not a calbin: every line, the last included, ends with a newline")
-    lines = data.decode("utf-8").split("\n")[:-1]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:  # (named by its line, as every other refusal)
+        no = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"calbin line {no}: not UTF-8 ({err.reason} at byte {err.start})"
+                         ) from None
+    lines = text.split("\n")[:-1]
     if not lines or lines[0] != "CALBIN 1":
         raise ValueError(f"not a calbin: header is {lines[0][:40]!r}, expected 'CALBIN 1'")
     seed = None
@@ -152,6 +164,10 @@ def loads(data: bytes) -> CalbinSpec:
         word, _, rest = line.partition(" ")
         args = rest.split()
         try:
+            if word in ARITY and len(args) != ARITY[word]:  # (the C loader refuses more too)
+                raise ValueError(f"{word!r} takes {ARITY[word]} fields, got {len(args)}")
+            if word in ("input", "output") and args[2] not in ("0", "1"):
+                raise ValueError(f"sliceable must be 0 or 1, got {args[2][:20]!r}")
             if word == "seed" and cur is None:
                 seed = int(args[0])
             elif word == "model" and cur is None:
