@@ -5,6 +5,7 @@ every wait bounded."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import httpx
@@ -189,3 +190,38 @@ def test_the_python_calbin_reader_refuses_what_the_loader_refuses(tmp_path, wher
     assert calbin.loads(good) == calbin.default_spec()
     with pytest.raises(ValueError, match="calbin line"):
         calbin.loads(good.replace(line, bad, 1))
+
+
+
+def test_a_reload_whose_body_a_drain_cut_is_the_reloads_draining_refusal(tmp_path):
+    """A reload whose body's read a drain cut (every body read once the drain stopped
+    waiting for requests is cut at once; here the body is not sent before the answer, so the
+    read waits for it): answered the API's ``server is draining`` with ``param: null`` (or,
+    cut while the drain was ending, ``server drained: ... before the request's body arrived
+    whole; retry``), where docs/server.md gives a reload refused while draining ``param:
+    calbin`` and "reload refused, lifecycle unchanged: server is draining", as a reload whose
+    body was read first is told."""
+    from test_server_support import read_until_closed, responses, wait_for
+
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    service = app.state.service
+    body = json.dumps({"calbin": str(tmp_path / "synthetic.calbin")}).encode()
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            drain = http.post("/admin/drain?grace=0", headers=AUTH)
+            wait_for(lambda: service.drain_status is not None, what="the drain's end")
+            port = int(server.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"POST /admin/reload HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                             + TOKEN.encode() + b"\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+                data, _ = read_until_closed(sock)  # (the body is never sent)
+    finally:
+        executor.shutdown(5.0)
+    assert drain.status_code == 202, drain.text
+    (status, headers, raw), = responses(data)
+    assert status.startswith(b"HTTP/1.1 503") and headers.get("retry-after"), (status, headers)
+    error = json.loads(raw)["error"]
+    assert error["param"] == "calbin", error
+    assert error["message"] == "reload refused, lifecycle unchanged: server is draining", error

@@ -325,6 +325,10 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
             return unknown
         raw = await read_body(request, RELOAD_TAKES)
         if not isinstance(raw, bytes):
+            if raw.status_code == 503 and service.draining:  # a drain cut the body's read:
+                # the reload's own refusal while draining (it was the API's, "server is
+                # draining" or "server drained: ... retry", ``param: null``, until stop 73)
+                return draining_refusal(retry, wire.CLOSE)
             return raw
         body = reload_body(raw)
         if isinstance(body, tuple):
