@@ -193,14 +193,13 @@ def test_the_python_calbin_reader_refuses_what_the_loader_refuses(tmp_path, wher
 
 
 
-def test_a_reload_whose_body_a_drain_cut_is_the_reloads_draining_refusal(tmp_path):
+def test_a_reload_whose_body_a_drain_cut_names_calbin(tmp_path):
     """A reload whose body's read a drain cut (every body read once the drain stopped
     waiting for requests is cut at once; here the body is not sent before the answer, so the
-    read waits for it): answered the API's ``server is draining`` with ``param: null`` (or,
-    cut while the drain was ending, ``server drained: ... before the request's body arrived
-    whole; retry``), where docs/server.md gives a reload refused while draining ``param:
-    calbin`` and "reload refused, lifecycle unchanged: server is draining", as a reload whose
-    body was read first is told."""
+    read waits for it): answered ``server is draining`` (or, cut while the drain was ending,
+    ``server drained: ... before the request's body arrived whole; retry``: stop 64's words,
+    kept) with ``param: null``, where docs/server.md gives a reload refused while draining
+    ``param: calbin``, as a reload whose body was read first is told."""
     from test_server_support import read_until_closed, responses, wait_for
 
     executor = started_executor(tmp_path)
@@ -224,4 +223,5 @@ def test_a_reload_whose_body_a_drain_cut_is_the_reloads_draining_refusal(tmp_pat
     assert status.startswith(b"HTTP/1.1 503") and headers.get("retry-after"), (status, headers)
     error = json.loads(raw)["error"]
     assert error["param"] == "calbin", error
-    assert error["message"] == "reload refused, lifecycle unchanged: server is draining", error
+    assert error["code"] == "lifecycle.unavailable", error
+    assert error["message"] == "server is draining", error

@@ -193,17 +193,19 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
     #: read the lifecycle of the second, ``"lifecycle": "Recovering"``)
     switching: list[str] = []
 
-    async def read_body(request: Request, takes: str) -> bytes | JSONResponse:
+    async def read_body(request: Request, takes: str, drained: str | None = None
+                        ) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
-        slowly (408) or is too large (413, saying what the route ``takes``: not the API's
-        "fewer or shorter prompts, or a larger --max-body-bytes"): ``wire.body_or_refusal``,
-        as the API's."""
+        slowly (408), is too large (413, saying what the route ``takes``: not the API's
+        "fewer or shorter prompts, or a larger --max-body-bytes") or was cut by a drain (503,
+        ``param`` ``drained``: a reload's ``calbin``, as its other refusals while draining):
+        ``wire.body_or_refusal``, as the API's."""
         service = owner.service
         raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
                                          service.bodies, takes)
         if isinstance(raw, wire.BodyRefusal):
-            return error_response(raw.status, None, http_status=raw.http_status,
-                                  headers=raw.headers)
+            return error_response(raw.status, drained if raw.http_status == 503 else None,
+                                  http_status=raw.http_status, headers=raw.headers)
         return raw
 
     @app.post("/admin/drain")
@@ -323,12 +325,10 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                                 "{\"calbin\": PATH} and no query")
         if unknown is not None:
             return unknown
-        raw = await read_body(request, RELOAD_TAKES)
+        # (a drain that cut the body's read: its 503 names ``calbin``, as the reload's other
+        # refusals while draining; ``param: null`` until stop 73)
+        raw = await read_body(request, RELOAD_TAKES, "calbin")
         if not isinstance(raw, bytes):
-            if raw.status_code == 503 and service.draining:  # a drain cut the body's read:
-                # the reload's own refusal while draining (it was the API's, "server is
-                # draining" or "server drained: ... retry", ``param: null``, until stop 73)
-                return draining_refusal(retry, wire.CLOSE)
             return raw
         body = reload_body(raw)
         if isinstance(body, tuple):
