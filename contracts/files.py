@@ -61,11 +61,26 @@ def write_whole(path: str, data: bytes) -> None:
         raise
 
 
+class TomlTooDeep(tomllib.TOMLDecodeError):
+    """A TOML document nested past the parser's recursion (``tomllib`` raises RecursionError
+    on ``x = [[[[...]]]]`` some thousand levels deep): a ``TOMLDecodeError``, as every other
+    document the parser does not read (until stop 73 the RecursionError came out of a
+    reload's re-read of the goldens file, a 500, and out of ``load_manifest``)."""
+
+    def __init__(self, message: str) -> None:
+        ValueError.__init__(self, message)  # (not TOMLDecodeError's: no document position)
+
+
 def read_toml(path: str | os.PathLike[str]) -> dict[str, object]:
     """The TOML document in file ``path``, a leading UTF-8 byte order mark (an editor's, as
     Notepad saves) not part of it: ``tomllib`` refused such a file as ``Invalid statement (at
     line 1, column 1)``. Raises ``OSError``, ``UnicodeDecodeError`` (its ``start`` the byte
-    of the file, the mark counted) and ``tomllib.TOMLDecodeError``, as ``tomllib.load``."""
+    of the file, the mark counted) and ``tomllib.TOMLDecodeError``, as ``tomllib.load``
+    (:class:`TomlTooDeep` for a document nested past the parser's recursion)."""
     with open(path, "rb") as fh:
         text = fh.read().decode("utf-8")
-    return tomllib.loads(text.removeprefix("\ufeff"))
+    try:
+        return tomllib.loads(text.removeprefix("\ufeff"))
+    except RecursionError:
+        raise TomlTooDeep("nested deeper than the TOML parser reads (Python's recursion "
+                          "limit)") from None

@@ -225,3 +225,47 @@ def test_a_reload_whose_body_a_drain_cut_names_calbin(tmp_path):
     assert error["param"] == "calbin", error
     assert error["code"] == "lifecycle.unavailable", error
     assert error["message"] == "server is draining", error
+
+
+#: TOML nested past Python's recursion limit: ``tomllib`` raises RecursionError on it
+DEEP_TOML = b"format = 1\nx = " + b"[" * 100_000 + b"]" * 100_000 + b"\n"
+
+
+def test_a_goldens_file_nested_past_the_parser_is_golden_file_invalid(tmp_path):
+    """The goldens file is read again at each reload; one nested past the TOML parser's
+    recursion (``x = [[[[...]]]]``) made ``switch_model`` raise ``RecursionError`` (the
+    reload a 500 ``server.unexpected_error`` with a traceback) where a goldens file that no
+    longer loads is ``golden.file_invalid`` naming it, nothing switched (docs/server.md)."""
+    import shutil
+
+    from calexec.contracts.goldens import goldens_path
+
+    manifest = tmp_path / "m.toml"
+    shutil.copyfile(default_manifest_path(), manifest)
+    goldens = goldens_path(manifest)
+    shutil.copyfile(goldens_path(default_manifest_path()), goldens)
+    started_executor(tmp_path).shutdown(5.0)  # (writes the synthetic calbin into tmp_path)
+    path = str(tmp_path / "synthetic.calbin")
+    executor = DeviceExecutor(CalRT.load(), load_manifest(str(manifest)),
+                              ExecutorConfig(calbin_path=path))
+    try:
+        assert executor.start().ok
+        goldens.write_bytes(DEEP_TOML)
+        status = executor.switch_model(path)
+        state = executor.state
+    finally:
+        executor.shutdown(5.0)
+    assert not status.ok and status.code == "golden.file_invalid", status
+    assert "nested deeper" in status.message and str(goldens) in status.message, status
+    assert state == "Ready", state
+
+
+def test_a_manifest_nested_past_the_parser_is_a_manifest_error(tmp_path):
+    """``load_manifest`` (``calexec serve --manifest M``) of such a file raised the
+    ``RecursionError``; it is the ``ManifestError`` of a file that is not valid TOML."""
+    from calexec.contracts.manifest import ManifestError
+
+    manifest = tmp_path / "m.toml"
+    manifest.write_bytes(DEEP_TOML)
+    with pytest.raises(ManifestError, match="nested deeper"):
+        load_manifest(str(manifest))
