@@ -151,7 +151,12 @@ TRAILING = {"seed": (b"seed 12648430\n", b"seed 1264843\x97\n"),
             "csr": (b"csr cur_seq_len\n", b"csr cur_seq_len x\n"),
             "tensor": (b"input positions S32 1 1,40960\n", b"input positions S32 1 1,40960 x\n"),
             "end": (b"end\n", b"end x\n"),
-            # (not trailing bytes: a sliceable flag past an int, read with %d, overflowed)
+            # (not trailing bytes: numbers %llu / %lld / %d read as no number they are)
+            "seed_sign": (b"seed 12648430\n", b"seed -12648430\n"),
+            "seed_past_u64": (b"seed 12648430\n", b"seed 184467440737095516160\n"),
+            "salt_plus": (b"salt 405743004425239057\n", b"salt +405743004425239057\n"),
+            "meta_past_i64": (b"meta max_batch 1\n", b"meta max_batch 99999999999999999999\n"),
+            "meta_key_cut": (b"meta max_batch 1\n", b"meta " + b"k" * 63 + b"5\n"),
             "sliceable": (b"output logits BF16 0 1,16,151936\n",
                           b"output logits BF16 4294967296 1,16,151936\n")}
 
@@ -163,7 +168,11 @@ def test_a_calbin_line_with_bytes_after_its_fields_is_refused(tmp_path, where):
     ``hidden``) passed the reload's check (``check_calbin`` ok) and the loader; a line whose
     fields are followed by anything but white space is now refused, ``calbin.invalid``, as
     a line the loader cannot read; so is a tensor's sliceable flag other than ``0`` or ``1``
-    (``4294967296``, read as an int, overflowed and loaded as 0)."""
+    (``4294967296``, read as an int, overflowed and loaded as 0), a number with a sign the
+    field does not take or past its type (``seed -12648430`` loaded as 2**64 - 12648430;
+    ``%llu`` / ``%lld`` past the type are undefined behaviour), and a meta key cut at 63
+    characters whose next character is a digit (``meta kkk...k5``: the key's first 63
+    characters, value 5)."""
     executor = started_executor(tmp_path)
     good = (tmp_path / "synthetic.calbin").read_bytes()
     line, bad = TRAILING[where]

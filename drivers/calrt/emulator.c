@@ -459,6 +459,27 @@ static int only_space(const char *s)
     return *s == '\0';
 }
 
+/* The decimal integer that is all of s but white space around it: digits, a '-' first when
+ * `sign` (in [INT64_MIN, INT64_MAX] then, else [0, UINT64_MAX]) -> *out; 0 otherwise. sscanf's
+ * %llu took "-1" as 2**64-1 and "+5", and a number past the type was undefined behaviour. */
+static int whole_int(const char *s, int sign, unsigned long long *out)
+{
+    while (*s && isspace((unsigned char)*s))
+        s++;
+    const char *digits = sign && *s == '-' ? s + 1 : s;
+    if (!isdigit((unsigned char)*digits))
+        return 0;
+    char *end = NULL;
+    errno = 0;
+    if (sign) {
+        long long v = strtoll(s, &end, 10);
+        *out = (unsigned long long)v;
+    } else {
+        *out = strtoull(s, &end, 10);
+    }
+    return errno == 0 && end != s && only_space(end);
+}
+
 /* "input|output <name> <dtype> <sliceable> <d0,d1,..>" -> t; 0 on a malformed line. */
 static int parse_tensor(const char *rest, emu_tensor *t)
 {
@@ -581,9 +602,8 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
             return CALRT_ERR_INVALID_CALBIN;
         const char *rest = line + strlen(word);
         unsigned long long u;
-        long long v;
         int n = 0; /* what sscanf read of rest: the line must end there (only_space) */
-        if (!m && strcmp(word, "seed") == 0 && sscanf(rest, " %llu%n", &u, &n) == 1 && only_space(rest + n)) {
+        if (!m && strcmp(word, "seed") == 0 && whole_int(rest, 0, &u)) {
             cb->seed = u;
             have_seed = 1;
         } else if (!m && strcmp(word, "model") == 0 && sscanf(rest, "%63s %31s%n", a, b, &n) == 2 && only_space(rest + n)) {
@@ -597,11 +617,12 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
                       : strcmp(b, "decode") == 0 ? KIND_DECODE : 0;
             if (!m->kind)
                 return CALRT_ERR_INVALID_CALBIN;
-        } else if (m && strcmp(word, "salt") == 0 && sscanf(rest, " %llu%n", &u, &n) == 1 && only_space(rest + n)) {
+        } else if (m && strcmp(word, "salt") == 0 && whole_int(rest, 0, &u)) {
             m->salt = u;
-        } else if (m && strcmp(word, "meta") == 0 && sscanf(rest, "%63s %lld%n", a, &v, &n) == 2 && only_space(rest + n) && m->n_meta < MAX_META) {
+        } else if (m && strcmp(word, "meta") == 0 && sscanf(rest, "%63s%n", a, &n) == 1 && isspace((unsigned char)rest[n])
+                   && whole_int(rest + n, 1, &u) && m->n_meta < MAX_META) {
             strcpy(m->meta_key[m->n_meta], a);
-            m->meta_val[m->n_meta++] = v;
+            m->meta_val[m->n_meta++] = (long long)u;
         } else if (m && strcmp(word, "input") == 0 && m->n_in < MAX_TENSORS && parse_tensor(rest, &m->in[m->n_in])) {
             m->n_in++;
         } else if (m && strcmp(word, "output") == 0 && m->n_out < MAX_TENSORS && parse_tensor(rest, &m->out[m->n_out])) {

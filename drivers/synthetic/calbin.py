@@ -142,6 +142,19 @@ ARITY = {"seed": 1, "model": 2, "salt": 1, "meta": 2, "input": 4, "output": 4, "
          "end": 0}
 
 
+def _int(text: str, signed: bool = False) -> int:
+    """A calbin's integer field as the C loader reads it: ASCII digits (a ``-`` first when
+    ``signed``), within a u64 (an i64 when ``signed``); ValueError otherwise (``int()``
+    alone took ``+5``, ``1_000`` and any size)."""
+    if not (text.isascii() and (text[1:] if signed and text.startswith("-") else text).isdigit()):
+        raise ValueError(f"{text[:40]!r} is not a decimal integer")
+    value = int(text)
+    low, high = (-(1 << 63), (1 << 63) - 1) if signed else (0, (1 << 64) - 1)
+    if not low <= value <= high:
+        raise ValueError(f"{text[:40]} is outside [{low}, {high}]")
+    return value
+
+
 def loads(data: bytes) -> CalbinSpec:
     """Parse calbin bytes; ValueError naming the line on a malformed file."""
     if not data.endswith(b"\n"):
@@ -169,15 +182,15 @@ def loads(data: bytes) -> CalbinSpec:
             if word in ("input", "output") and args[2] not in ("0", "1"):
                 raise ValueError(f"sliceable must be 0 or 1, got {args[2][:20]!r}")
             if word == "seed" and cur is None:
-                seed = int(args[0])
+                seed = _int(args[0])
             elif word == "model" and cur is None:
                 cur = {"name": args[0], "kind": args[1], "inputs": [], "outputs": [], "csrs": [], "meta": [], "salt": 0}
             elif word == "salt" and cur is not None:
-                cur["salt"] = int(args[0])
+                cur["salt"] = _int(args[0])
             elif word == "meta" and cur is not None:
-                cur["meta"].append((args[0], int(args[1])))
+                cur["meta"].append((args[0], _int(args[1], signed=True)))
             elif word in ("input", "output") and cur is not None:
-                shape = tuple(int(d) for d in args[3].split(","))
+                shape = tuple(_int(d) for d in args[3].split(","))
                 cur[word + "s"].append(TensorSpec(args[0], args[1], shape, args[2] == "1"))
             elif word == "csr" and cur is not None:
                 cur["csrs"].append(args[0])
