@@ -1223,15 +1223,25 @@ class DeviceLifecycle:
         status = self._configure_and_warm(target)
         refused: list[str] = []
         first_refusal: Status | None = None
+        # a switch's target whose golden job met a §8 TRANSIENT fault (13 timeout, 17 busy
+        # past submit's retries: the device slow or busy, not the calbin) is configured
+        # again, not rolled back (``_retry_transient_golden``); it was rolled back at one
+        # such fault, the operator told to try a reload that would pass (until stop 73)
+        target_runs = 1
+        tried = target  # the calbin whose generation ``status`` answers for
         while not status.ok and not self.stopping and self.run.can(LIFECYCLE_EV_ROLL_BACK):
             refused.append(status.code)
             first_refusal = first_refusal or status
+            if tried == target and target_runs > 1:
+                first_refusal = status  # the target's last refusal is the one to tell
+            again = (switching and tried == target
+                     and self._retry_transient_golden(status, target_runs))
             released = self._release_failed_generation(record)
             if not released.ok:  # its job still runs on the device: §9.1, never torn down
                 record["refused"] = refused
                 self.fail(released)
                 return released
-            fallback = self._rollback_path
+            fallback = target if again else self._rollback_path
             why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
                    else refused[0])
             refusal = (f"{fields.shown(target, 300)} was refused ({why}) and shutdown() began before "
@@ -1254,13 +1264,23 @@ class DeviceLifecycle:
             if not advanced.ok:
                 record["refused"] = refused
                 return advanced
-            self._rollback_path = None
+            if not again:  # (a retry of the target keeps the roll back for after it)
+                self._rollback_path = None
             ended = self._stop_for_shutdown(refusal=refusal)  # (between the two steps)
             if ended is not None:
                 record["refused"] = refused
                 return ended
+            if again:
+                target_runs += 1
+                log.warning("%s met by the golden run of %s: a transient fault (the device "
+                            "busy or slow, not the calbin): its golden is run again (run %d "
+                            "of at most %d)", status, fields.shown(target, 300), target_runs,
+                            self._host.config.recovery.max_recoveries + 1)
             status = self._configure_and_warm(fallback)
-            if self._retry_golden(status, refused):
+            tried = fallback
+            if again:
+                pass  # the target again: a refusal now is told as its own (above)
+            elif self._retry_golden(status, refused[target_runs - 1:]):  # (its own count)
                 # the fallback served, and a job of its golden met a fault (a NaN, a hung or
                 # failed job): it is configured again as the fault controller's budget
                 # allows (it escalates to Failed past max_recoveries), not Failed at the
@@ -1276,6 +1296,7 @@ class DeviceLifecycle:
                 # the code alone left the operator of a reload nothing to act on
                 why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
                        else refused[0])
+                why += self._refused_golden_advice(first_refusal, target_runs)
                 return Status.failure("recovery.rolled_back", Category.ARTIFACT, Phase.RECOVERY,
                                       f"{fields.shown(target, 300)} was refused ({why}); {fields.shown(fallback, 300)} "
                                       "serves again", **self._gctx())
@@ -1383,6 +1404,36 @@ class DeviceLifecycle:
                 and status.code != "golden.mismatch" and not self.stopping
                 and not self.run.final
                 and len(refused) <= self._host.config.recovery.max_recoveries)
+
+    @staticmethod
+    def _refused_golden_advice(refusal: Status | None, runs: int) -> str:
+        """What a ``recovery.rolled_back`` adds to the refusal of a switch's target: how many
+        golden runs it had, and, for a fault a job of its golden met on the device (not a
+        golden that ran and differs, nor a calbin the runtime could not load), that the fault
+        may have been the device's, so that a retry of the reload may pass (the operator read
+        only the fault, and could not tell it from a calbin that is wrong)."""
+        said = f"; its golden ran {runs} times" if runs > 1 else ""
+        if refusal is None or refusal.job_id is None or refusal.code == "golden.mismatch":
+            return said
+        if refusal.category is Category.TRANSIENT:
+            return (f"{said}, each meeting a transient fault (the device busy or slow, not the "
+                    "calbin): a retry of the reload may pass")
+        return ("; a job of its golden run met that fault on the device, a fault of the calbin "
+                "or of the device: if it was the device's, a retry of the reload may pass")
+
+    def _retry_transient_golden(self, status: Status, runs: int) -> bool:
+        """Whether a model switch's target, refused with ``status`` after ``runs`` golden
+        runs, is configured and its golden run again rather than rolled back: a job of its
+        golden met a §8 TRANSIENT fault (13 timeout, 17 busy once submit's own retries were
+        spent: ``status.job_id`` set), which is the device's, not the calbin's (the Transient
+        row retries the job), at most ``RecoveryPolicy.max_recoveries`` runs more, and only
+        while no shutdown began and the controller has not ended the lifecycle. A fault the
+        calbin may cause (an artifact code, a NaN row, a CCU exception, a golden that differs)
+        still rolls back at once: a calbin that never served proved nothing yet."""
+        return (not status.ok and status.job_id is not None
+                and status.category is Category.TRANSIENT and not self.stopping
+                and not self.run.final
+                and runs <= self._host.config.recovery.max_recoveries)
 
     def _configure_and_warm(self, calbin_path: str) -> Status:
         """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
