@@ -403,6 +403,29 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return bounded
 
 
+#: the most each count flag of a benchmark takes: its loop runs until the count is done, and
+#: a count of no bound (``bench logits --iters 99999999999999999999``) ran for ever, its
+#: progress line counting towards a total it never reaches. Each maximum is far past the
+#: issue's own figure (``bench soak``: 250000 requests; ``bench faults``: 1000 faults), and
+#: said in the flag's ``--help`` (docs/benchmarks.md lists them)
+MAX_COUNTS: dict[str, int] = {
+    "bench charts --iters": 10_000_000,
+    "bench logits --iters": 1_000_000,
+    "bench overhead --runs": 1000,
+    "bench recovery --recoveries": 100_000,
+    "bench server --requests": 1_000_000,
+    "bench server --rounds": 1000,
+    "bench faults --faults": 100_000,
+    "bench soak --requests": 10_000_000,
+}
+
+
+def count(flag: str) -> Callable[[str], int]:
+    """The argparse type of a benchmark's count flag ``flag`` (``"bench logits --iters"``):
+    an integer in 1..:data:`MAX_COUNTS` ``[flag]``."""
+    return int_in(1, MAX_COUNTS[flag])
+
+
 def add_inflight_capacity(parser: argparse.ArgumentParser) -> None:
     """``--inflight-capacity {1,2}``: ``ExecutorConfig.inflight_capacity`` (1: Phase A, the
     default; 2: Phase B, two jobs on the device), for ``serve``, ``bench soak`` and ``bench

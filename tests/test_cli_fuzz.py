@@ -72,6 +72,14 @@ INFLIGHT = st.one_of(st.sampled_from(["0", "3", "-1", "x", "", "1.5", "nan", "2x
                      st.integers(min_value=3).map(str))
 
 
+def _count(command_flag: str) -> st.SearchStrategy[str]:
+    """A benchmark's count flag (``cliargs.MAX_COUNTS``): below 1, or above its maximum (stop
+    73: ``bench logits --iters 99999999999999999999`` ran for ever)."""
+    high = cliargs.MAX_COUNTS[command_flag]
+    return st.one_of(_below(1), st.integers(min_value=high + 1).map(str),
+                     st.just(str(10 ** 20)))
+
+
 def _choice(choices: tuple[str, ...]) -> st.SearchStrategy[str]:
     return st.one_of(_WORDS, st.text(max_size=6)).filter(lambda t: t not in choices)
 
@@ -97,21 +105,21 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "diagrams": {"--out": EMPTY, "--png": EMPTY},
     "diagrams live": {"--out": EMPTY, "--seconds": SECONDS, "--clients": CLIENTS},
     "sim write-calbin": {"--tile-d0": POSITIVE_INT, "--hidden": POSITIVE_INT},
-    "bench charts": {"--iters": POSITIVE_INT},
+    "bench charts": {"--iters": _count("bench charts --iters")},
     "bench overhead": {"--seed": NON_NEGATIVE_INT, "--tokens": POSITIVE_INT,
-                       "--runs": POSITIVE_INT, "--zero-tokens": POSITIVE_INT,
+                       "--runs": _count("bench overhead --runs"), "--zero-tokens": POSITIVE_INT,
                        "--gil-switch-us": GIL_US},
-    "bench logits": {"--seed": NON_NEGATIVE_INT, "--iters": POSITIVE_INT},
-    "bench recovery": {"--seed": NON_NEGATIVE_INT, "--recoveries": POSITIVE_INT},
+    "bench logits": {"--seed": NON_NEGATIVE_INT, "--iters": _count("bench logits --iters")},
+    "bench recovery": {"--seed": NON_NEGATIVE_INT, "--recoveries": _count("bench recovery --recoveries")},
     "bench pingpong": {"--seqs": POSITIVE_INT, "--tokens": POSITIVE_INT,
                        "--solo-tokens": POSITIVE_INT, "--trace": EMPTY},
-    "bench server": {"--requests": POSITIVE_INT, "--max-tokens": POSITIVE_INT,
-                     "--decode-us": LATENCY_US, "--rounds": POSITIVE_INT,
+    "bench server": {"--requests": _count("bench server --requests"), "--max-tokens": POSITIVE_INT,
+                     "--decode-us": LATENCY_US, "--rounds": _count("bench server --rounds"),
                      "--loadgen": _choice(("process", "thread")),
                      "--client": _choice(("stdlib", "httpx")), "--gil-switch-us": GIL_US},
-    "bench faults": {"--faults": POSITIVE_INT, "--clients": CLIENTS,
+    "bench faults": {"--faults": _count("bench faults --faults"), "--clients": CLIENTS,
                      "--inflight-capacity": INFLIGHT},
-    "bench soak": {"--requests": POSITIVE_INT, "--faults": NON_NEGATIVE_INT,
+    "bench soak": {"--requests": _count("bench soak --requests"), "--faults": NON_NEGATIVE_INT,
                    "--clients": CLIENTS, "--max-seconds": SECONDS,
                    "--progress-s": SECONDS, "--rss-bound-mib": MIB_BOUND,
                    "--inflight-capacity": INFLIGHT},

@@ -111,8 +111,9 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words ``bench charts``."""
     parser = cliargs.parser("calexec bench charts", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
-                        help="jobs per form (default 2000)")
+    parser.add_argument("--iters", type=cliargs.count("bench charts --iters"), default=2000,
+                        help="jobs per form (default 2000, at most "
+                             f"{cliargs.MAX_COUNTS['bench charts --iters']})")
     args = parser.parse_args(argv[2:])
     cliargs.progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     result = run_bench(args.iters, lambda text: cliargs.say("bench charts", text),

@@ -1451,8 +1451,9 @@ def main(argv: list[str]) -> int:
                             help="decode latency of a TPOT profile in us, repeatable or a comma "
                                  "list, reported in this order (default: "
                                  f"{','.join(map(str, DEFAULT_PROFILES_US))})")
-        parser.add_argument("--runs", type=cliargs.positive_int, default=6,
-                            help="blocks per side and phase, order rotated (default 6)")
+        parser.add_argument("--runs", type=cliargs.count("bench overhead --runs"), default=6,
+                            help="blocks per side and phase, order rotated (default 6, at "
+                                 f"most {cliargs.MAX_COUNTS['bench overhead --runs']})")
         parser.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
                             default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
@@ -1486,11 +1487,15 @@ def main(argv: list[str]) -> int:
                              "applies to the relay floor, which --no-relay-floor leaves out "
                              f"(drop one of {flag} and --no-relay-floor)")
     elif command == "logits":
-        parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
-                            help="timed calls per case (default 2000)")
+        parser.add_argument("--iters", type=cliargs.count("bench logits --iters"), default=2000,
+                            help="timed calls per case (default 2000, at most "
+                                 f"{cliargs.MAX_COUNTS['bench logits --iters']})")
     elif command == "recovery":
-        parser.add_argument("--recoveries", type=cliargs.positive_int, default=100,
-                            help="injected device faults, each followed by a recovery (100)")
+        parser.add_argument("--recoveries", type=cliargs.count("bench recovery --recoveries"),
+                            default=100,
+                            help="injected device faults, each followed by a recovery "
+                                 "(default 100, at most "
+                                 f"{cliargs.MAX_COUNTS['bench recovery --recoveries']})")
     elif command == "pingpong":
         parser.add_argument("--seqs", type=cliargs.positive_int, default=4,
                             help="sequences decoding at once (default 4)")

@@ -372,8 +372,10 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
 def main(argv: list[str]) -> int:
     parser = cliargs.parser("calexec bench faults", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--faults", type=cliargs.positive_int, default=100,
-                        help="device faults to inject, one at a time (1000: the issue's figure)")
+    parser.add_argument("--faults", type=cliargs.count("bench faults --faults"), default=100,
+                        help="device faults to inject, one at a time (1000: the issue's "
+                             "figure; at most "
+                             f"{cliargs.MAX_COUNTS['bench faults --faults']})")
     parser.add_argument("--clients", type=cliargs.clients, default=6,
                         help="concurrent loopback clients; half of them stream")
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=16,

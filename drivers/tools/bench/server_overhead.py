@@ -728,9 +728,11 @@ def main(argv: list[str]) -> int:
 
     parser = cliargs.parser("calexec bench server", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=cliargs.positive_int, default=DEFAULT_REQUESTS,
+    parser.add_argument("--requests", type=cliargs.count("bench server --requests"),
+                        default=DEFAULT_REQUESTS,
                         help="timed requests per level and side (default "
-                             f"{DEFAULT_REQUESTS}: a P99 of more than a few samples)")
+                             f"{DEFAULT_REQUESTS}: a P99 of more than a few samples; at most "
+                             f"{cliargs.MAX_COUNTS['bench server --requests']})")
     parser.add_argument("--concurrency", type=concurrency_levels,
                         default=list(DEFAULT_LEVELS), metavar="C[,C...]",
                         help="concurrency levels (default "
@@ -748,10 +750,12 @@ def main(argv: list[str]) -> int:
                         help="tokens per request")
     parser.add_argument("--decode-us", type=cliargs.latency_us, default=10000,
                         help="emulated decode latency in us (0 = zero latency)")
-    parser.add_argument("--rounds", type=cliargs.positive_int, default=DEFAULT_ROUNDS,
+    parser.add_argument("--rounds", type=cliargs.count("bench server --rounds"),
+                        default=DEFAULT_ROUNDS,
                         help="interleaved rounds of the direct, server and server_stream "
                              "sides per level, fewer when a block would be short "
-                             f"(default {DEFAULT_ROUNDS})")
+                             f"(default {DEFAULT_ROUNDS}, at most "
+                             f"{cliargs.MAX_COUNTS['bench server --rounds']})")
     parser.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
                         default=SERVING_SWITCH_INTERVAL_US,
                         help="GIL switch interval for the run (us; 0 keeps Python's 5000; "

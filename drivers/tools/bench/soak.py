@@ -987,8 +987,9 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     """``main`` with the test seams (tests/test_soak.py)."""
     parser = cliargs.parser("calexec bench soak", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=cliargs.positive_int, default=2000,
-                        help="requests to send in all (250000: the issue's figure)")
+    parser.add_argument("--requests", type=cliargs.count("bench soak --requests"), default=2000,
+                        help="requests to send in all (250000: the issue's figure; at most "
+                             f"{cliargs.MAX_COUNTS['bench soak --requests']})")
     parser.add_argument("--faults", type=cliargs.non_negative_int, default=50,
                         help="device faults spread over the requests, one at a time "
                              "(2500: the issue's figure)")
