@@ -1,0 +1,143 @@
+"""Stop 73 (left): defects stop 72 found and left, each proven here.
+
+* a model switch whose golden job met one transient fault (13 timeout, 17 busy) was rolled
+  back; a rollback for a fault a golden job met on the device did not say a retry may pass;
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from calexec.drivers.synthetic import calbin as cb
+from calexec.machines.faults import FaultController, RecoveryPolicy
+from executor_harness import SEED, arm, fired, greedy, oracle_golden, running_executor, write_calbin
+
+OTHER_SEED = SEED ^ 0x5A5A5A
+PROMPT = [7, 7, 8, 9, 10]
+
+
+# ---- 1. a model switch's golden meeting a transient fault ----------------------------------
+@pytest.fixture(scope="module")
+def calbins(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("switch73")
+    main = write_calbin(directory)
+    other = str(directory / "other.calbin")
+    sha = cb.write(other, cb.default_spec(seed=OTHER_SEED))
+    return {"main": main, "other": other, "goldens": {sha: oracle_golden(OTHER_SEED)}}
+
+
+def _oracle(seed: int, n: int) -> list[int]:
+    from calexec.drivers.synthetic import oracle
+    ref = oracle.OracleSequence(seed)
+    ref.run(PROMPT)
+    out = [ref.next_token()]
+    for _ in range(n):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return out
+
+
+class _ClearsAfter(FaultController):
+    """The real fault controller, which also ends the emulator's fault plan once it was told
+    of ``times`` faults of ``code``: a device busy for a while, then well again."""
+
+    def __init__(self, code: str, times: int, policy: RecoveryPolicy) -> None:
+        super().__init__(policy)
+        self.code, self.times, self.seen = code, times, 0
+        self.device = None
+
+    def report(self, status, job=None) -> None:
+        super().report(status, job)
+        if status.code == self.code:
+            self.seen += 1
+            if self.seen == self.times and self.device is not None:
+                self.device.emu.clear_all_faults()
+
+
+def test_a_switch_whose_golden_meets_one_transient_fault_goes_live(calbins):
+    """One Wait timeout (13, §8 TRANSIENT) met by a job of the new calbin's golden run: the
+    device was slow, not the calbin. The switch goes live on the golden's second run (the
+    target configured again, not rolled back) and serves the new calbin's oracle; until stop
+    73 it answered ``recovery.rolled_back`` and the old calbin served on."""
+    with running_executor(calbins["main"], goldens=dict(calbins["goldens"])) as ex:
+        arm(ex, "WAIT_RC", rc=13)
+        status = ex.switch_model(calbins["other"])
+        assert fired(ex, "WAIT_RC") == 1
+        assert status.ok, status
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["other"]
+        assert ex.life.golden_passed()
+        assert ex.recoveries[-1]["refused"] == ["calrt.wait_failed"]
+        assert greedy(ex, 1, PROMPT, 2) == _oracle(OTHER_SEED, 2)
+
+
+def test_a_switch_whose_golden_meets_transient_faults_past_its_runs_rolls_back_saying_so(
+        calbins):
+    """Transient faults at each of the target's golden runs (``max_recoveries`` + 1 of them)
+    roll it back, the message saying how many runs and that a retry of the reload may pass;
+    the fallback's golden, the device well again, passes and it serves."""
+    policy = RecoveryPolicy(max_recoveries=2)
+    sink = _ClearsAfter("calrt.wait_failed", 3, policy)
+    with running_executor(calbins["main"], goldens=dict(calbins["goldens"]), recovery=policy,
+                          fault_sink=sink) as ex:
+        sink.device = ex.device
+        arm(ex, "WAIT_RC", mode="ALWAYS", param=0, rc=13)
+        status = ex.switch_model(calbins["other"])
+        assert status.code == "recovery.rolled_back", status
+        assert "calrt.wait_failed" in status.message
+        assert "its golden ran 3 times, each meeting a transient fault" in status.message
+        assert "a retry of the reload may pass" in status.message
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["main"]
+        assert greedy(ex, 1, PROMPT, 2) == _oracle(SEED, 2)
+        # the reload retried now passes
+        assert ex.switch_model(calbins["other"]).ok
+
+
+def test_a_switch_rolled_back_for_a_fault_its_golden_job_met_says_a_retry_may_pass(calbins):
+    """An unknown CSR (rc 4, §8 ARTIFACT: a calbin error) met by the new calbin's golden job
+    still rolls back at once (a calbin that never served proved nothing), but the message
+    says the fault was met on the device and a retry of the reload may pass if it was the
+    device's; a golden that ran and differs says no such thing."""
+    with running_executor(calbins["main"], goldens=dict(calbins["goldens"])) as ex:
+        arm(ex, "UNKNOWN_CSR")
+        status = ex.switch_model(calbins["other"])
+        assert status.code == "recovery.rolled_back", status
+        assert "calrt.csr_failed" in status.message
+        assert "a retry of the reload may pass" in status.message
+        assert ex.gen.calbin_path == calbins["main"]
+        ex.goldens[next(iter(calbins["goldens"]))] = (1, 2, 3)
+        status = ex.switch_model(calbins["other"])
+        assert status.code == "recovery.rolled_back" and "golden.mismatch" in status.message
+        assert "retry" not in status.message
+
+
+# ---- 2. a benchmark's count flag has a maximum -------------------------------------------------
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from calexec import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("command_flag", [
+    "bench charts --iters", "bench logits --iters", "bench overhead --runs",
+    "bench recovery --recoveries", "bench server --requests", "bench server --rounds",
+    "bench faults --faults", "bench soak --requests"])
+def test_a_benchmark_count_past_its_maximum_is_refused_naming_flag_value_and_bound(
+        command_flag):
+    """``bench logits --iters 99999999999999999999`` (and each count flag of a benchmark) ran
+    for ever; each now has a maximum, said in its ``--help``, and a count past it is one line
+    naming the flag, the value and the bound, exit 2, before anything runs."""
+    from calexec import cliargs
+    *command, flag = command_flag.split()
+    high = cliargs.MAX_COUNTS[command_flag]
+    for value in (str(high + 1), "99999999999999999999"):
+        code, out, err = _cli([*command, flag, value, "--json"])
+        assert code == 2 and out == "", (command_flag, code, out, err)
+        assert err.count("\n") == 1, err
+        assert flag in err and value in err and f"1..{high}" in err, err
+    code, out, _err = _cli([*command, "--help"])
+    assert code == 0 and f"at most {high}" in " ".join(out.split()), out
