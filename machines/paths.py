@@ -1128,11 +1128,53 @@ class PathEnds(TypedDict):
     tour: list[str]
 
 
+class PathsLeftOut(TypedDict):
+    """``as_data``'s ``left_out`` (only with ``max_steps``, when some path did not fit): the
+    bound, the states whose walk was left out, how many transitions' paths and tour walks
+    were, and how many steps they had in all."""
+
+    max_steps: int
+    states: list[str]
+    transitions: int
+    tour: int
+    steps: int
+
+
 #: ``as_data(chart)``: the chart's paths as JSON-ready data (see there).
 PathsData = TypedDict("PathsData", {
     "chart": str, "class": str, "initial": str, "finals": list[str],
     "states": dict[str, list[PathStep]], "transitions": list[TransitionData],
-    "tour": list[list[PathStep]], "ends": PathEnds})
+    "tour": list[list[PathStep]], "ends": PathEnds, "left_out": NotRequired[PathsLeftOut]})
+
+#: ``calexec charts paths``' default ``--max-steps``: the most steps it writes (about 2 MB of
+#: JSON, 120 kB of text). Every path starts from the initial state, so a chain of N states
+#: has N paths of up to N steps: a 1000-state chain's were 1.1 million steps, 120 MB of JSON
+#: (about 110 bytes a step)
+MAX_STEPS = 20_000
+
+
+def _walk_steps(walk: Path | Walk) -> int:
+    """The steps ``as_data`` writes for ``walk`` (a start step counted)."""
+    return len(walk.steps) + (1 if walk.start else 0)
+
+
+def _kept(walks: Sequence[Path | Walk], first: int, max_steps: int | None) -> list[bool]:
+    """Which of ``walks`` fit in ``max_steps`` steps in all (None: every one): the last
+    ``first`` of them (the tour, which takes every transition in the fewest walks) first,
+    in their order, then the shortest first (ties in their order): the most paths that fit,
+    a long one left out whole."""
+    if max_steps is None:
+        return [True] * len(walks)
+    kept = [False] * len(walks)
+    left = max_steps
+    tour = range(len(walks) - first, len(walks))
+    for i in [*tour, *sorted(range(len(walks) - first), key=lambda i: _walk_steps(walks[i]))]:
+        cost = _walk_steps(walks[i])
+        if cost <= left:
+            kept[i], left = True, left - cost
+        elif i not in tour:
+            break  # (the others are no shorter)
+    return kept
 
 
 def _steps_data(walk: Path | Walk, chart: CompiledChart) -> list[PathStep]:
@@ -1168,7 +1210,8 @@ def _history_defaults(chart: CompiledChart) -> dict[str, list[str]]:
     return found
 
 
-def as_data(chart: ChartLike, max_configurations: int | None = None) -> PathsData:
+def as_data(chart: ChartLike, max_configurations: int | None = None,
+            max_steps: int | None = None) -> PathsData:
     """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
     walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
@@ -1178,25 +1221,50 @@ def as_data(chart: ChartLike, max_configurations: int | None = None) -> PathsDat
     ``ends``: the configuration each of those ends in, ``"a,b"`` (``Walk.end``, ``Path.end``):
     ``{"states": {state: end}, "transitions": [end, ...], "tour": [end, ...]}`` in the order
     of ``states``, ``transitions`` and ``tour``. ``max_configurations``: as
-    :func:`transition_paths`'."""
+    :func:`transition_paths`'. ``max_steps`` (an int >= 1; None, the default: no bound): the
+    most steps written in all, the tour's walks kept first (they take every transition in the
+    fewest steps), then the shortest walks to a state or of a transition, a walk that does not
+    fit left out whole, with its ``ends`` entry; ``left_out`` then says what was
+    (:class:`PathsLeftOut`). Every walk starts from the initial state, so a chain of N states
+    has about N**2 steps (``calexec charts paths`` bounds them, ``--max-steps``)."""
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                  or max_steps < 1):
+        raise ValueError(f"max_steps={max_steps!r}: expected an int >= 1 or None (no bound)")
     chart = compiled(chart)
     walks = state_paths(chart, max_configurations)
     paths = transition_paths(chart, max_configurations)
     tour = transition_tour(chart, max_configurations)
-    return {
+    named = list(walks.items())
+    everything: list[Path | Walk] = [*(walk for _, walk in named), *paths, *tour]
+    kept = _kept(everything, len(tour), max_steps)
+    keep_states = kept[:len(named)]
+    keep_paths = kept[len(named):len(named) + len(paths)]
+    keep_tour = kept[len(named) + len(paths):]
+    data: PathsData = {
         "chart": chart.name,
         "class": reference(chart.declaration),
         "initial": chart.initial,
         "finals": sorted(chart.finals),
-        "states": {state: _steps_data(walk, chart) for state, walk in walks.items()},
+        "states": {state: _steps_data(walk, chart)
+                   for (state, walk), keep in zip(named, keep_states) if keep},
         "transitions": [{"event": p.transition.event, "from": p.transition.source,
                          "to": p.transition.target, "guards": list(p.transition.guards),
-                         "path": _steps_data(p, chart)} for p in paths],
-        "tour": [_steps_data(walk, chart) for walk in tour],
-        "ends": {"states": {state: walk.end for state, walk in walks.items()},
-                 "transitions": [p.end for p in paths],
-                 "tour": [walk.end for walk in tour]},
+                         "path": _steps_data(p, chart)}
+                        for p, keep in zip(paths, keep_paths) if keep],
+        "tour": [_steps_data(walk, chart) for walk, keep in zip(tour, keep_tour) if keep],
+        "ends": {"states": {state: walk.end
+                            for (state, walk), keep in zip(named, keep_states) if keep},
+                 "transitions": [p.end for p, keep in zip(paths, keep_paths) if keep],
+                 "tour": [walk.end for walk, keep in zip(tour, keep_tour) if keep]},
     }
+    if max_steps is not None and not all(kept):
+        data["left_out"] = {
+            "max_steps": max_steps,
+            "states": [state for (state, _), keep in zip(named, keep_states) if not keep],
+            "transitions": keep_paths.count(False), "tour": keep_tour.count(False),
+            "steps": sum(_walk_steps(walk) for walk, keep in zip(everything, kept)
+                         if not keep)}
+    return data
 
 
 class GuardTable:

@@ -2,6 +2,8 @@
 
 * a model switch whose golden job met one transient fault (13 timeout, 17 busy) was rolled
   back; a rollback for a fault a golden job met on the device did not say a retry may pass;
+* a benchmark's count flag had no bound (``bench logits --iters 99999999999999999999``);
+* ``charts paths`` wrote every path whole (120 MB of JSON for a 1000-state chain);
 """
 
 from __future__ import annotations
@@ -141,3 +143,81 @@ def test_a_benchmark_count_past_its_maximum_is_refused_naming_flag_value_and_bou
         assert flag in err and value in err and f"1..{high}" in err, err
     code, out, _err = _cli([*command, "--help"])
     assert code == 0 and f"at most {high}" in " ".join(out.split()), out
+
+
+# ---- 3. charts paths bounds the steps it writes --------------------------------------------------
+CHAIN = ("from statemachine import State, StateMachine\n\n"
+         "N = {n}\n"
+         "_attrs = {{f's{{i}}': State(initial=i == 0, final=i == N - 1) for i in range(N)}}\n"
+         "_attrs.update({{f'go{{i}}': _attrs[f's{{i}}'].to(_attrs[f's{{i + 1}}']) "
+         "for i in range(N - 1)}})\n"
+         "Chain = type('Chain', (StateMachine,), _attrs)\n")
+
+
+def test_charts_paths_of_a_long_chain_write_at_most_max_steps_saying_what_was_left_out(
+        tmp_path, monkeypatch, capsys):
+    """A chain of 400 states has about 160000 steps of paths (every walk from the start):
+    ``charts paths --json`` wrote them all (a 1000-state chain's: 120 MB). At most
+    ``--max-steps`` (20000 by default) are written now, the tour first and then the shortest
+    walks, whole; ``left_out`` (and a line on stderr, and the text's last line) says what was
+    left out; ``--max-steps 0`` writes everything."""
+    import json
+
+    from calexec.cli import main as cli
+    from calexec.machines.paths import MAX_STEPS
+
+    (tmp_path / "chain73.py").write_text(CHAIN.format(n=400), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+
+    def steps(data) -> int:
+        return (sum(len(w) for w in data["states"].values())
+                + sum(len(t["path"]) for t in data["transitions"])
+                + sum(len(w) for w in data["tour"]))
+
+    assert cli(["charts", "paths", "chain73:Chain", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert steps(data) <= MAX_STEPS == 20_000
+    assert len(captured.out) < 3_000_000, len(captured.out)
+    left = data["left_out"]
+    assert left["max_steps"] == MAX_STEPS and left["tour"] == 0
+    assert len(data["tour"]) == 1 and len(data["tour"][0]) == 399  # the tour, whole
+    # the shortest walks kept: s0..sK, the rest named as left out
+    assert list(data["states"]) == [f"s{i}" for i in range(len(data["states"]))]
+    assert left["states"] == [f"s{i}" for i in range(len(data["states"]), 400)]
+    assert len(data["transitions"]) + left["transitions"] == 399
+    assert len(data["ends"]["transitions"]) == len(data["transitions"])
+    assert list(data["ends"]["states"]) == list(data["states"])
+    assert steps(data) + left["steps"] == 399 + sum(range(400)) + sum(range(1, 400))
+    assert "left out past --max-steps 20000" in captured.err
+
+    assert cli(["charts", "paths", "chain73:Chain"]) == 0
+    text = capsys.readouterr().out
+    assert text.rstrip().splitlines()[-1].startswith("left out past --max-steps 20000: the "
+                                                     f"walks to {len(left['states'])} state(s)")
+    assert len(text) < 200_000
+
+    assert cli(["charts", "paths", "chain73:Chain", "--json", "--max-steps", "0"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert "left_out" not in whole and len(whole["states"]) == 400
+
+
+def test_as_data_takes_max_steps_and_refuses_a_bound_that_is_none(tmp_path):
+    """``as_data(chart, max_steps=N)`` is the library's form; ``0``, a negative or a str is a
+    ValueError naming it, None (the default) no bound."""
+    from statemachine import State, StateMachine
+
+    from calexec.machines.paths import as_data
+
+    class Lamp(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    assert "left_out" not in as_data(Lamp) and "left_out" not in as_data(Lamp, max_steps=10)
+    small = as_data(Lamp, max_steps=2)
+    assert small["tour"] == [] or sum(len(w) for w in small["tour"]) <= 2
+    assert small["left_out"]["max_steps"] == 2
+    for bad in (0, -1, "5", True):
+        with pytest.raises(ValueError, match=r"^max_steps="):
+            as_data(Lamp, max_steps=bad)

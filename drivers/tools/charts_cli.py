@@ -12,7 +12,9 @@ SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
 to every state, to every transition, and a transition tour (walks from the initial state that
 together take every transition), as text or, with ``--json``, as data a test can iterate
 (``calexec.machines.paths.as_data``; ``--max-configurations N``: the bound on a hierarchical
-chart's configurations explored, 5000 by default). ``draw --timeout S``: the seconds graphviz
+chart's configurations explored, 5000 by default; ``--max-steps N``: the most steps written,
+20000 by default, the tour's walks kept first, then the shortest, the output saying what was left out; 0:
+no bound). ``draw --timeout S``: the seconds graphviz
 may take per format (60 by default). A walk whose chart must choose otherwise as it starts
 (a guarded eventless transition out of the initial state) begins with a start step,
 ``(start)[!healthy]`` (JSON: ``"event": null``): outcomes to set before the chart starts.
@@ -40,8 +42,10 @@ from calexec.cliargs import (
     UserError,
     make_dir,
     output_path,
+    non_negative_int,
     positive_int,
     refuse_non_directory,
+    say,
     seconds,
     shell_word,
     staged_report,
@@ -60,7 +64,13 @@ from calexec.machines.diagrams import (
     render_chart_dot,
     svg_from_dot,
 )
-from calexec.machines.paths import MAX_CONFIGURATIONS, PathsData, PathStep, as_data
+from calexec.machines.paths import (
+    MAX_CONFIGURATIONS,
+    MAX_STEPS,
+    PathsData,
+    PathStep,
+    as_data,
+)
 
 
 def chart_from(ref: str) -> CompiledChart:
@@ -239,10 +249,24 @@ def _text(data: PathsData) -> str:
     lines += [f"  {t['from']} --{t['event'] or '(eventless)'}--> {t['to']}: "
               f"{steps(t['path'], '(no step: taken as the chart starts)')}"
               for t in data["transitions"]]
-    lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
+    tour = len(data["tour"])
+    left = data["left_out"]["tour"] if "left_out" in data else 0
+    lines += ["", f"transition tour ({f'{tour} of {tour + left}' if left else tour} walk(s) "
+              f"from {data['initial']}):"]
     lines += [f"  {i + 1}. {steps(walk)} (ends in {end})"
               for i, (walk, end) in enumerate(zip(data["tour"], data["ends"]["tour"]))]
+    if "left_out" in data:
+        lines += ["", _left_out(data)]
     return "\n".join(lines)
+
+
+def _left_out(data: PathsData) -> str:
+    """The line saying what ``--max-steps`` left out of ``data`` (which has ``left_out``)."""
+    left = data["left_out"]
+    return (f"left out past --max-steps {left['max_steps']}: the walks to "
+            f"{len(left['states'])} state(s), the paths of {left['transitions']} "
+            f"transition(s) and {left['tour']} tour walk(s), {left['steps']} steps in all "
+            "(the tour is kept first, then the shortest; raise --max-steps, or 0 for no bound)")
 
 
 def paths(argv: list[str]) -> int:
@@ -253,6 +277,12 @@ def paths(argv: list[str]) -> int:
                         metavar="N", help="the most configurations of a hierarchical chart "
                         "explored (its active states and what its history states recorded); "
                         "past it the paths are refused, naming what multiplies them")
+    parser.add_argument("--max-steps", type=non_negative_int, default=MAX_STEPS, metavar="N",
+                        help="the most steps written in all (every walk starts from the "
+                        "initial state: a chain of N states has about N*N/2 steps); the "
+                        "tour's walks are kept first, then the shortest, the output says what "
+                        "was left out "
+                        f"(default {MAX_STEPS}; 0: no bound)")
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
@@ -262,9 +292,11 @@ def paths(argv: list[str]) -> int:
               f"transition, each from the start, so a long chain's take a while ...",
               file=sys.stderr, flush=True)
     try:
-        data = as_data(chart, args.max_configurations)
+        data = as_data(chart, args.max_configurations, args.max_steps or None)
     except ValueError as err:  # an unreachable state, a shadowed transition
         raise UserError(str(err)) from None
+    if "left_out" in data:  # (said on stderr too: a --json reader's terminal shows nothing)
+        say("calexec charts paths", _left_out(data))
     print(json.dumps(data, indent=2) if args.json else _text(data))
     return 0
 
