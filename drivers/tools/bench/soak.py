@@ -42,9 +42,18 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
   first third (warm-up: the first 10 % of the requests for the first phase, the first fifth
   of a later phase's samples);
 * ``objects``: the objects Python's collector tracks (``gc.get_objects()``), counted with the
-  server idle before the traffic and again after it, grew by at most ``LIVE_OBJECTS_SLACK``:
-  anything a request leaves behind, one object per request, shows here whatever the
-  allocator does with RSS;
+  server idle before the traffic and after it, and, the traffic held at a gate until every
+  request in flight ended, once after the warm-up and once late: from the warm-up count to
+  the late one they grew by at most ``LIVE_OBJECTS_FLOOR`` + ``LIVE_OBJECTS_PER_REQUEST`` per
+  request sent between them, and in all by at most ``LIVE_OBJECTS_SLACK``: anything a request
+  leaves behind, one object per request, shows here whatever the allocator does with RSS. The
+  warm-up count is taken at the first fault step once a full cycle of the fault kinds ran, a
+  tenth of the requests went into the last decode-latency phase and the executor's ring of
+  job trails is full, the late one at the last fault step; with no faults at a tenth of the
+  requests (later when the ring would not be full by then) and at the last request. A run
+  with faults but not more than one cycle of them has neither (the slack alone judges it).
+  Until stop 73 the slack alone, 20000 from before the traffic: a leak of one object per
+  request passed every run below about 15000 requests;
 * ``pools``: at the end (idle, every fault cleared) every pool is as at the start: buffer slots
   per state, the device's free KV blocks, the KV coordinator's reserved tokens, sequence ids
   (all free, none withheld), jobs (queued, in flight, completing, pre-armed), requests active and
@@ -112,8 +121,22 @@ WARM_SHARE = 0.1  # the first 10 % of the requests: the RSS baseline is taken af
 PHASE_WARM_SHARE = 0.2  # a later phase's first fifth of RSS samples: its warm-up
 #: growth of the collector's live objects between the idle server before and after the traffic
 #: that the ``objects`` check allows: first-use caches (a recovery's, an error path's) fill
-#: once; a leak of one object per request exceeds it within a CI-sized run's thousands
+#: once, most of them in the warm-up
 LIVE_OBJECTS_SLACK = 20_000
+#: growth of the live objects from the idle server after the warm-up to the idle server after
+#: the traffic that the ``objects`` check allows: this many, plus
+#: ``LIVE_OBJECTS_PER_REQUEST`` for each request sent after the warm-up. Measured (2026-12-07):
+#: each fault kind's first fault and each phase's first requests add hundreds of objects (the
+#: first two recoveries about a thousand each), a fault of a kind seen before tens (the fault
+#: controller's and the recoveries' bounded records), an idle count some hundreds either way
+#: (the server's objects of connections just closed); the executor's ring of the last
+#: ``job_trails_kept`` jobs' trails grows by about 4000 until it is full. A clean run of 2400
+#: requests grew by about 500 from its warm-up to its late count; a leak of one object per
+#: request grows by one a request, past the bound from about 1200 requests after the warm-up
+LIVE_OBJECTS_FLOOR = 1000
+LIVE_OBJECTS_PER_REQUEST = 0.1
+#: ``ExecutorConfig.job_trails_kept``'s default (the soak's executor keeps that many)
+JOB_TRAILS_KEPT_DEFAULT = 1024
 SAMPLED_SHARE = 0.25
 SAMPLED_POOL = 32
 PROMPT_POOL = 256
@@ -639,7 +662,20 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     # 64, --requests 50 --faults 2) had sent every request before it was set, so the faults
     # were armed with no traffic left (not fired), and a request a KV fault refused had no
     # other request to give KV back (429 kv.deadline after its whole deadline, FI04)
-    tally = Tally(requests, gate=due(0) if faults > 0 else requests)
+    # the objects of the idle server after the warm-up are counted at the first fault step
+    # once every fault kind met traffic (a full cycle of them), ``warm`` requests were sent
+    # (a tenth of the requests into the last decode-latency phase) and the executor's ring of
+    # job trails is full (``job_trails_kept`` jobs, a few objects each: it grows for the first
+    # thousand jobs); each kind's first fault and each phase's first requests fill caches of
+    # hundreds of objects too. With no faults they are counted at ``warm``, or later when the
+    # ring would not be full by then (held there, the traffic is let go once they were
+    # counted). A run with faults but no full cycle of them has no such count
+    warm = max(1, round(sum(p.share for p in phases[:-1]) * requests)
+               + math.ceil(WARM_SHARE * requests))
+    if faults == 0:  # (about (lo + hi) / 2 tokens a request, a job each; half that, to be sure)
+        warm = min(requests, max(warm, math.ceil(4 * JOB_TRAILS_KEPT_DEFAULT
+                                                 / (max_tokens[0] + max_tokens[1]))))
+    tally = Tally(requests, gate=due(0) if faults > 0 else warm)
     problems: list[str] = []
     windows: list[dict[str, Any]] = []
     not_fired: Counter = Counter()
@@ -690,6 +726,13 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         # them at exit, a traceback on the terminal)
         workers: list[threading.Thread] = []
         objects_start: int | None = None
+        # the idle server's objects after the warm-up and again late in the traffic, each with
+        # the clients held at a gate (their own objects alive: an end count, the clients gone,
+        # read hundreds fewer), and the requests sent by then
+        objects_warm: int | None = None
+        warm_sent = 0
+        objects_late: int | None = None
+        late_sent = 0
         objects_end: int | None = None
         count_objects = hooks.objects or live_objects
         lifecycle_end = None
@@ -722,6 +765,28 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                     thread.start()
                 order = list(kinds)
 
+                def trails_full() -> bool:
+                    """The executor kept as many job trails as it keeps: at least that many
+                    tokens were generated, each by a job of its own."""
+                    tokens = metrics.get_sample_value("calexec_generation_tokens_total") or 0
+                    return tokens >= executor.config.job_trails_kept
+
+                def count_warm() -> None:
+                    """The objects of the idle server after the warm-up (the traffic held at
+                    its gate): counted once every request in flight ended; the first count
+                    is the warm-up's, a later one the late count."""
+                    nonlocal objects_warm, warm_sent, objects_late, late_sent
+                    if not trails_full():
+                        return
+                    if wait_until(lambda: _idle(executor, service), IDLE_WAIT_S):
+                        if objects_warm is None:
+                            objects_warm, warm_sent = count_objects(), tally.issued
+                        else:
+                            objects_late, late_sent = count_objects(), tally.issued
+                    else:
+                        problems.append(f"the server did not go idle in {IDLE_WAIT_S}s after "
+                                        f"the warm-up: {_pools(executor, service)}")
+
                 with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as admin:
                     for i in range(faults):
                         wait_until(lambda i=i: tally.issued >= due(i) or stop.is_set()
@@ -729,6 +794,9 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                                                        - time.monotonic()))
                         if tally.issued >= requests or time.monotonic() > deadline:
                             break  # the traffic ended first: the faults left did not run
+                        if ((objects_warm is None or i == faults - 1) and i >= len(kinds)
+                                and due(i) >= warm and tally.issued < requests):
+                            count_warm()  # (the warm-up's, and the last fault step's)
                         if i % len(order) == 0:
                             rng.shuffle(order)
                         kind = order[i % len(order)]
@@ -771,6 +839,15 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                             "ended": time.monotonic()})
                         else:
                             not_fired[kind] += 1
+                    if faults == 0:  # (held at ``warm``, then at the last request)
+                        for gate in (warm, requests - 1):
+                            tally.set_gate(gate)
+                            wait_until(lambda gate=gate: tally.issued >= gate or stop.is_set()
+                                       or time.monotonic() > deadline,
+                                       max(0.0, deadline - time.monotonic()))
+                            if warm <= tally.issued < requests and (
+                                    time.monotonic() <= deadline):
+                                count_warm()
                     tally.set_gate(requests)
                     wait_until(lambda: tally.issued >= requests, max(0.0, deadline
                                                                      - time.monotonic()))
@@ -824,6 +901,12 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     worst = max((e[1] - e[0] for _, e in judged), default=None)
     objects_growth = (None if objects_start is None or objects_end is None
                       else objects_end - objects_start)
+    # from the warm-up on: a bound that grows with the requests sent after it (none counted:
+    # a run too short to have a warm-up step before its last request, judged by the slack)
+    after_warm = (None if objects_warm is None or objects_late is None
+                  else objects_late - objects_warm)
+    warm_requests = late_sent - warm_sent
+    warm_bound = LIVE_OBJECTS_FLOOR + LIVE_OBJECTS_PER_REQUEST * warm_requests
     mib = 1 << 20
     quarantined = ((end_pools or {}).get("buffer_slots") or {}).get("Quarantined", 0)
     checks = {
@@ -845,10 +928,18 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                               f"{e[0] / mib:.1f} MiB ({(e[1] - e[0]) / mib:+.1f})"
                               for j, e in judged) + f"; bound +{rss_bound_mib} MiB"},
         "objects": {"ok": objects_growth is not None
-                    and objects_growth <= LIVE_OBJECTS_SLACK,
-                    "detail": f"live objects, idle before the traffic {objects_start}, idle "
-                              f"after it {objects_end}: {objects_growth:+d}, bound "
-                              f"+{LIVE_OBJECTS_SLACK}" if objects_growth is not None
+                    and objects_growth <= LIVE_OBJECTS_SLACK
+                    and (after_warm is None or after_warm <= warm_bound),
+                    "detail": (f"live objects, idle before the traffic {objects_start}, idle "
+                               f"after it {objects_end}: {objects_growth:+d}, bound "
+                               f"+{LIVE_OBJECTS_SLACK}" + (
+                                   f"; idle after the warm-up {objects_warm}, "
+                                   f"{warm_requests} requests later {objects_late}: "
+                                   f"{after_warm:+d}, bound "
+                                   f"+{warm_bound:g} ({LIVE_OBJECTS_FLOOR} + "
+                                   f"{LIVE_OBJECTS_PER_REQUEST:g} a request)"
+                                   if after_warm is not None else "; no warm-up count"))
+                    if objects_growth is not None
                     else "not counted (the traffic did not end)"},
         "pools": {"ok": _pools_back(start_pools, end_pools),
                   "detail": "every pool as at the start"
@@ -910,7 +1001,12 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                     "trend": [[t, round(v / mib, 1), phase] for t, v, phase in
                               monitor.rss[::max(1, -(-len(monitor.rss) // 32))]]},
         "live_objects": {"start": objects_start, "end": objects_end,
-                         "growth": objects_growth},
+                         "growth": objects_growth, "after_warm_up": objects_warm,
+                         "late": objects_late,
+                         "requests_after_warm_up": warm_requests if after_warm is not None
+                         else None, "growth_after_warm_up": after_warm,
+                         "bound_after_warm_up": warm_bound if after_warm is not None
+                         else None},
         "pools_start": start_pools, "pools_end": end_pools,
         "threads_leaked": leaked,
         "seconds": round(seconds, 1),
