@@ -117,3 +117,18 @@ def shown(value: object, limit: int = 80) -> str:
     if _SURROGATE.search(text):
         text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     return text[:limit]
+
+
+def shown_string(value: str, limit: int = 80) -> str:
+    """``value`` written as a JSON string (as :func:`shown`) in at most ``limit`` characters:
+    whole, or its first characters and its closing quote followed by ``...`` (``"abc"...``).
+    :func:`shown` cuts the text, the closing quote with it (``"abc``), which reads as if the
+    value ended there; where the string sits inside other text (a key in ``logit_bias[KEY]``)
+    the reader could not tell where it ended."""
+    text = shown(value, limit + 1)
+    if len(text) <= limit:
+        return text
+    n = max(0, limit - 5)
+    while n > 0 and len(shown(value[:n], 4 * limit)) > limit - 3:  # (escapes: \n, \u0001)
+        n -= 1
+    return shown(value[:n], 4 * limit) + "..."

@@ -42,7 +42,7 @@ from pydantic import (
 )
 
 from calexec.contracts.errors import Category
-from calexec.contracts.fields import shown
+from calexec.contracts.fields import shown, shown_string
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, grammar, handoff, metrics, sampling, wire
@@ -628,12 +628,12 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
         # at most 18 ASCII digits: "²".isdigit() holds and int() raises on more than 4300
         token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None
         if token is None or (vocab is not None and token >= vocab):
-            raise Refusal(invalid(f"logit_bias[{shown(key, 40)}]: the key must be a token id in "
+            raise Refusal(invalid(f"logit_bias[{shown_string(key, 40)}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
                           "logit_bias")
         if token in keys:  # ("1" and "01": both biases were added, past [-100, 100])
-            raise Refusal(invalid(f"logit_bias[{shown(key, 40)}] and "
-                                  f"logit_bias[{shown(keys[token], 40)}] both name token "
+            raise Refusal(invalid(f"logit_bias[{shown_string(key, 40)}] and "
+                                  f"logit_bias[{shown_string(keys[token], 40)}] both name token "
                                   f"{token}: give each token once"), "logit_bias")
         keys[token] = key
         pairs.append((token, as_float(value)))
@@ -814,6 +814,31 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
 #: content parts whose ``text`` is text: chat's own, and the Responses API's, which vLLM's chat
 #: takes as text too (a conversation carried over from /v1/responses)
 TEXT_PARTS = ("text", "input_text", "output_text")
+#: the keys each kind of content part takes, chat's and the Responses API's: its ``type`` and
+#: its text, and what the SDK (3.51) sends with it, each ignored: a text part's
+#: ``prompt_cache_breakpoint`` (a caching hint: nothing is cached, as ``prompt_cache_options``),
+#: an output part's ``annotations`` and ``logprobs`` as a Response gave them back and
+#: ``parsed`` (``responses.parse``). Another key is refused naming it, as an unknown field of
+#: the body is (until stop 73 it was taken without a word: a typo'd ``txt`` beside ``text``)
+PART_KEYS: dict[str, frozenset[str]] = {
+    "text": frozenset({"type", "text", "prompt_cache_breakpoint"}),
+    "input_text": frozenset({"type", "text", "prompt_cache_breakpoint"}),
+    "output_text": frozenset({"type", "text", "annotations", "logprobs", "parsed"}),
+    "refusal": frozenset({"type", "refusal"}),
+}
+
+
+def unknown_part_key(part: dict[str, Any], at: str, param: str) -> Refusal | None:
+    """The 400 naming the first key of content part ``part`` (at ``at``, ``param`` its
+    path) that :data:`PART_KEYS` does not list for its type; None when there is none (or the
+    type is not one of them: its own refusal says so)."""
+    kind = part.get("type")
+    keys = PART_KEYS.get(kind) if isinstance(kind, str) else None
+    extra = sorted(str(key) for key in part if keys is not None and key not in keys)
+    if not extra:
+        return None
+    return Refusal(invalid(f"{at}.{extra[0][:80]}: unknown key of a {kind} part, "
+                           "refused"), f"{param}.{extra[0][:80]}")
 
 
 def message_text(message: ChatMessage, index: int) -> str:
@@ -850,6 +875,9 @@ def message_text(message: ChatMessage, index: int) -> str:
         if not isinstance(part.get(field), str):
             raise Refusal(invalid(f"{at}.{field}={shown(part.get(field), 80)}: must be a string"),
                           f"messages.{index}.content.{j}.{field}")
+        unknown = unknown_part_key(part, at, f"messages.{index}.content.{j}")
+        if unknown is not None:
+            raise unknown
         texts.append(part[field])
     return "\n".join(texts)
 

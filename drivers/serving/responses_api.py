@@ -44,6 +44,7 @@ from calexec.drivers.serving.openai_api import (
     invalid,
     metadata_refusal,
     parse,
+    unknown_part_key,
 )
 from calexec.drivers.serving.service import RouteService
 
@@ -307,12 +308,17 @@ def _part_text(part: Any, at: str, param: str) -> str:
     if not isinstance(part, dict):
         raise refuse(f"{at}={shown(part, 80)}: a content part must be an object", param)
     kind = part.get("type")
+    unknown = unknown_part_key(part, at, param)  # (a text part's unknown key was taken)
     if kind in TEXT_PARTS:
         if not isinstance(part.get("text"), str):
             raise refuse(f"{at}.text={shown(part.get('text'), 80)}: must be a string",
                          f"{param}.text")
+        if unknown is not None:
+            raise unknown
         return str(part["text"])
     if kind == "refusal" and isinstance(part.get("refusal"), str):
+        if unknown is not None:
+            raise unknown
         return str(part["refusal"])
     raise refuse(f"{at}.type={shown(kind, 80)}: only text parts (input_text, output_text) "
                  "are supported: the served model reads no images, files or audio",
@@ -363,6 +369,11 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(body.input):
         kind = item.get("type", "message" if "role" in item else None)
         keys = ITEM_KEYS.get(kind) if isinstance(kind, str) else None
+        if "type" not in item and "role" not in item:
+            # (blamed on a type it never sent: "input[0].type=null: must be one of ...")
+            raise refuse(f"input[{i}]: an item needs a type (message, function_call, "
+                         "function_call_output) or, for a message, a role ("
+                         f"{', '.join(INPUT_ROLES)}); it has neither", f"input.{i}")
         if keys is None:
             raise refuse(f"input[{i}].type={shown(kind, 80)}: must be one of message, "
                          "function_call, function_call_output (item references and built-in "
