@@ -353,16 +353,30 @@ def parser(prog: str, doc: str | None) -> Parser:
 
 
 # ---- value types: argparse turns their ValueError/ArgumentTypeError into a one-line error ----
+#: an integer as a command line or an environment variable writes it: ASCII decimal digits,
+#: a sign, blanks around (Python's ``int()`` also reads "1_0" as 10 and "٣", an Arabic-Indic
+#: digit, as 3: until stop 73 ``--iters 1_0`` ran 10 and ``CALEXEC_PROGRESS_S=1_0`` was 10 s)
+INTEGER_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
+#: a number so written (``float()`` reads the same "1_0" and "٣"): ASCII digits, a point, an
+#: exponent, or ``inf``/``nan`` (each flag's range then refuses those, naming it)
+NUMBER_TEXT = re.compile(r"\s*[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?"
+                         r"|inf|infinity|nan)\s*", re.IGNORECASE)
+
+
 def _integer(text: str) -> int:
     """``text`` as an int, or the one-line refusal naming it (argparse would say ``invalid
     positive_int value``, the name of this module's function, not what was wrong)."""
+    if not INTEGER_TEXT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
     try:
         return int(text)
-    except ValueError:
+    except ValueError:  # (more digits than int() reads: 4300)
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
 
 
 def _number(text: str) -> float:
+    if not NUMBER_TEXT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
     try:
         return float(text)
     except ValueError:
@@ -422,8 +436,17 @@ MAX_COUNTS: dict[str, int] = {
 
 def count(flag: str) -> Callable[[str], int]:
     """The argparse type of a benchmark's count flag ``flag`` (``"bench logits --iters"``):
-    an integer in 1..:data:`MAX_COUNTS` ``[flag]``."""
-    return int_in(1, MAX_COUNTS[flag])
+    an integer in 1..:data:`MAX_COUNTS` ``[flag]`` (below 1 refused as :func:`positive_int`
+    refuses it)."""
+    high = MAX_COUNTS[flag]
+
+    def bounded(text: str) -> int:
+        value = positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be in 1..{high}, got {value}")
+        return value
+
+    return bounded
 
 
 def add_inflight_capacity(parser: argparse.ArgumentParser) -> None:
@@ -999,7 +1022,7 @@ def progress_s() -> float:
     if not text:
         return PROGRESS_S
     try:
-        value = float(text)
+        value = float(text) if NUMBER_TEXT.fullmatch(text) else float("nan")
     except ValueError:
         value = float("nan")
     if not 0 <= value <= MAX_SECONDS:  # (NaN fails both)
