@@ -39,13 +39,35 @@ def threads_left_running() -> list[tuple[str, threading.Thread]]:
     return [(name, thread) for name, thread in _STARTED_BY_IMPORTS if thread.is_alive()]
 
 
+#: a byte of an argument that is not UTF-8, as ``repr`` writes what Python made of it (a lone
+#: surrogate U+DC80..U+DCFF, ``surrogateescape``): ``\udcff`` after an even number of
+#: backslashes (an odd one is an escaped backslash followed by the text ``udcff``)
+_ESCAPED_BYTE = re.compile(r"(?<!\\)((?:\\\\)*)\\udc([89a-f][0-9a-f])")
+
+
+def bytes_escaped(text: str) -> str:
+    """``text`` (a message holding ``repr`` of an argument) with each byte that was not UTF-8
+    shown as that byte, ``\\xff``, not as the surrogate Python read it as, ``\\udcff``: the
+    user typed (or the file system holds) the byte 0xff, never a U+DCFF."""
+    return _ESCAPED_BYTE.sub(r"\1\\x\2", text)
+
+
+def shown_ref(ref: str) -> str:
+    """``repr(ref)`` with its bytes that are not UTF-8 as ``\\xff`` (:func:`bytes_escaped`):
+    how a caller naming a reference itself (``--chart=<shown_ref(ref)>: <reason>``) shows it."""
+    return bytes_escaped(repr(ref))
+
+
 class ChartRefError(ValueError):
     """``MODULE:CLASS`` does not name a chart class; the message is one line naming what was
     given and what was expected: ``'<ref>': <reason>``. ``ref`` and ``reason`` are the two
-    parts, for a caller that names the reference itself (``--chart='<ref>': <reason>``)."""
+    parts, for a caller that names the reference itself (``--chart=<shown_ref(ref)>:
+    <reason>``); a byte of either that is not UTF-8 is shown ``\\xff`` (:func:`bytes_escaped`;
+    until stop 73 ``\\udcff``)."""
 
     def __init__(self, ref: str, reason: str) -> None:
-        super().__init__(f"{ref!r}: {reason}")
+        reason = bytes_escaped(reason)
+        super().__init__(f"{shown_ref(ref)}: {reason}")
         self.ref = ref
         self.reason = reason
 

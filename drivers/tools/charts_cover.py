@@ -33,7 +33,7 @@ from calexec.cliargs import parser as cli_parser
 from calexec.drivers.tools.bench.subproc import call_group
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines.chart_support import bound_name
-from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.chartref import ChartRefError, load_chart, shown_ref
 from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.coverage import (
     TransitionRecorder,
@@ -172,18 +172,18 @@ def main(argv: list[str]) -> int:
     charts: list[CompiledChart] = []
     for ref in dict.fromkeys(args.chart):
         if "," in ref:
-            raise UserError(f"--chart={ref!r}: one MODULE:CLASS per --chart")
+            raise UserError(f"--chart={shown_ref(ref)}: one MODULE:CLASS per --chart")
         try:
             chart = compiled(load_chart(ref))  # (async callbacks: its instances are counted)
             charts.append(chart)
         except (ChartRefError, ValueError, TypeError) as err:  # (UnsupportedChart: a ValueError)
-            raise UserError(f"--chart={ref!r}: {_reason(err)}") from None
+            raise UserError(f"--chart={shown_ref(ref)}: {_reason(err)}") from None
     refs = list(dict.fromkeys(args.chart))
     named: dict[str, tuple[str, CompiledChart]] = {}
     for ref, chart in zip(refs, charts):
         first = named.setdefault(chart.name, (ref, chart))
         if first[1].declaration is not chart.declaration:
-            raise UserError(f"--chart={ref!r} and --chart={first[0]!r}: two charts named "
+            raise UserError(f"--chart={shown_ref(ref)} and --chart={shown_ref(first[0])}: two charts named "
                             f"{chart.name} (coverage counts transitions by chart name); "
                             f"give one class another name")
     with tempfile.TemporaryDirectory(prefix="calexec-cover-") as scratch_dir:

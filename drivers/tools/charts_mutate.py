@@ -54,7 +54,7 @@ from calexec.drivers.tools.bench.subproc import end_leftovers
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
 from calexec.machines.chart_support import UnsupportedChart, refuse_unsupported
-from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.chartref import ChartRefError, load_chart, shown_ref
 from calexec.machines.coverage import gate_percentage
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
@@ -217,21 +217,21 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     if "=" in spec:
         name, _, target = spec.partition("=")
         if not name.strip():  # (the report's rows and its JSON key would name no chart)
-            raise ValueError(f"--chart={spec!r}: empty chart name before '=' (NAME=MODULE:CLASS "
+            raise ValueError(f"--chart={shown_ref(spec)}: empty chart name before '=' (NAME=MODULE:CLASS "
                              f"names the chart in the report: Order2=billing.orders:Order; or "
                              f"give MODULE:CLASS alone)")
     if ":" not in target:
-        raise ValueError(f"--chart={spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
+        raise ValueError(f"--chart={shown_ref(spec)}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the report (--json)
             declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
-        raise ValueError(f"--chart={spec!r}: {err.reason}") from None
+        raise ValueError(f"--chart={shown_ref(spec)}: {err.reason}") from None
     try:
         refuse_unsupported(declaration, "chart mutation", runs=False)  # (async: its instances)
     except UnsupportedChart as err:  # named by the flag, as charts cover's --chart is
-        raise ValueError(f"--chart={spec!r}: {err}") from None
+        raise ValueError(f"--chart={shown_ref(spec)}: {err}") from None
     class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
