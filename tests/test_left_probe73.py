@@ -4,6 +4,10 @@
   back; a rollback for a fault a golden job met on the device did not say a retry may pass;
 * a benchmark's count flag had no bound (``bench logits --iters 99999999999999999999``);
 * ``charts paths`` wrote every path whole (120 MB of JSON for a 1000-state chain);
+* the soak's ``objects`` check had a fixed bound, blind to a leak of one object per request;
+* small messages: a Responses item with neither ``type`` nor ``role``, unknown keys of a
+  content part, a cut ``logit_bias`` key, ``CALEXEC_PROGRESS_S=1_0``, a chart reference that
+  is not UTF-8.
 """
 
 from __future__ import annotations
@@ -221,3 +225,197 @@ def test_as_data_takes_max_steps_and_refuses_a_bound_that_is_none(tmp_path):
     for bad in (0, -1, "5", True):
         with pytest.raises(ValueError, match=r"^max_steps="):
             as_data(Lamp, max_steps=bad)
+
+
+# ---- 4. the soak's objects check scales with the run ------------------------------------------
+def test_the_soaks_objects_check_fails_a_leak_of_one_object_per_request():
+    """A leak of one object per request (a list kept for each completed request, through the
+    soak's own ``Hooks.tokens`` seam) in a soak of 2400 requests grew the live objects by
+    about 2400 (6700 from before the traffic, the warm-up's caches and rings included), under
+    the fixed +20000 the ``objects`` check allowed until stop 73: the run passed. The check
+    now compares the idle server's count after the warm-up with a late one, against a bound
+    of ``LIVE_OBJECTS_FLOOR`` + ``LIVE_OBJECTS_PER_REQUEST`` a request: the leak fails it,
+    the same run without the leak passes it."""
+    import contextlib
+    import io
+    import json
+
+    import needs
+    needs.module("httpx", "server")
+    from calexec.drivers.tools.bench import soak
+
+    def run(leak: bool) -> dict:
+        kept: list[list[int]] = []
+
+        def tokens(body, got):
+            if leak:
+                kept.append([len(got)])
+            return got
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = soak.run_cli(["bench", "soak", "--json", "--requests", "2400", "--faults", "0",
+                                 "--clients", "6", "--seed", "5", "--decode-us", "0",
+                                 "--max-tokens", "2-4", "--progress-s", "600",
+                                 "--max-seconds", "600", "--rss-bound-mib", "4096"],
+                                soak.Hooks(tokens=tokens))
+        report = json.loads(out.getvalue())
+        assert code == (1 if leak else 0), report["checks"]
+        return report
+
+    leaky = run(True)
+    objects = leaky["live_objects"]
+    assert not leaky["checks"]["objects"]["ok"], leaky["checks"]["objects"]
+    assert objects["growth"] <= soak.LIVE_OBJECTS_SLACK  # (what passed until stop 73)
+    assert objects["requests_after_warm_up"] >= 1500, objects
+    assert objects["growth_after_warm_up"] > objects["bound_after_warm_up"]
+    assert [name for name, check in leaky["checks"].items() if not check["ok"]] == ["objects"]
+    clean = run(False)
+    assert clean["ok"] and clean["checks"]["objects"]["ok"], clean["checks"]["objects"]
+    assert clean["live_objects"]["growth_after_warm_up"] <= clean["live_objects"][
+        "bound_after_warm_up"]
+
+
+# ---- 5. small messages ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import needs
+    needs.module("httpx", "server")
+    from calexec.drivers.serving.server import create_app
+    from calexec.drivers.serving.service import ServerConfig
+    from test_server_support import LiveServer, started_executor
+
+    executor = started_executor(tmp_path_factory.mktemp("left73"))
+    try:
+        with LiveServer(create_app(executor, ServerConfig())) as live:
+            yield live.url
+    finally:
+        executor.shutdown(5.0)
+
+
+def _post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    import httpx
+    answer = httpx.post(f"{url}{path}", json=body, timeout=60)
+    return answer.status_code, answer.json()
+
+
+def test_a_responses_item_with_neither_type_nor_role_is_told_it_needs_one(server):
+    """``input: [{"content": "hi"}]`` was refused ``input[0].type=null: must be one of
+    message, ...``, naming a type the client never sent; it now says the item needs a type or,
+    for a message, a role, and has neither (``param: input.0``)."""
+    code, body = _post(server, "/v1/responses", {"input": [{"content": "hi"}],
+                                                 "max_output_tokens": 2})
+    assert code == 400, body
+    error = body["error"]
+    assert error["param"] == "input.0", error
+    assert error["message"].startswith("input[0]: an item needs a type (message, "
+                                       "function_call, function_call_output) or, for a "
+                                       "message, a role (user,"), error
+    assert "it has neither" in error["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "txt": "x"}]}]},
+     "messages.0.content.0.txt"),
+    ("/v1/chat/completions",
+     {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no",
+                                                      "reason": "x"}]},
+                   {"role": "user", "content": "hi"}]},
+     "messages.0.content.0.reason"),
+    ("/v1/responses",
+     {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi",
+                                              "cache_control": {"type": "ephemeral"}}]}]},
+     "input.0.content.0.cache_control"),
+    ("/v1/responses",
+     {"input": [{"type": "function_call_output", "call_id": "c1",
+                 "output": [{"type": "input_text", "text": "3", "extra": 1}]}]},
+     "input.0.output.0.extra"),
+])
+def test_an_unknown_key_of_a_content_part_is_refused_naming_it(server, path, body, param):
+    """An unknown key inside a chat or Responses content part (a typo'd ``txt`` beside
+    ``text``, another provider's ``cache_control``) was taken without a word, where an
+    unknown key of the body or of a Responses item is refused by name (docs/server.md): now
+    a 400 naming it."""
+    code, answer = _post(server, path, {**body, "max_tokens" if "chat" in path
+                                        else "max_output_tokens": 2})
+    assert code == 400, answer
+    error = answer["error"]
+    assert error["param"] == param, error
+    assert "unknown key of a" in error["message"] and param.rsplit(".", 1)[1] in \
+        error["message"], error
+
+
+def test_the_sdks_own_content_part_fields_are_still_taken(server):
+    """What the SDK (3.51) sends in a part: a text part's ``prompt_cache_breakpoint`` (a
+    caching hint), an ``output_text`` part's ``annotations``, ``logprobs`` (a Response's
+    message dumped whole and sent back) and ``parsed``: taken, the same answer as without
+    them."""
+    plain = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                       {"type": "message", "role": "assistant",
+                        "content": [{"type": "output_text", "text": "yo"}]},
+                       {"role": "user", "content": "again"}],
+             "max_output_tokens": 3, "temperature": 0}
+    dumped = {**plain, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi",
+                                      "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+        {"type": "message", "role": "assistant", "content": [
+            {"type": "output_text", "text": "yo", "annotations": [], "logprobs": [],
+             "parsed": None}]},
+        {"role": "user", "content": "again"}]}
+    answers = [_post(server, "/v1/responses", body) for body in (plain, dumped)]
+    assert [code for code, _ in answers] == [200, 200], answers
+    texts = [[part["text"] for item in answer["output"] for part in item["content"]]
+             for _, answer in answers]
+    assert texts[0] == texts[1] and texts[0], texts
+    assert answers[0][1]["usage"] == answers[1][1]["usage"]
+    chat = [_post(server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": [part]}], "max_tokens": 3, "temperature": 0})
+        for part in ({"type": "text", "text": "hi"},
+                     {"type": "text", "text": "hi",
+                      "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "30m"}})]
+    assert [code for code, _ in chat] == [200, 200], chat
+    assert chat[0][1]["choices"][0]["message"] == chat[1][1]["choices"][0]["message"]
+
+
+def test_a_cut_logit_bias_key_keeps_its_closing_quote(server):
+    """A ``logit_bias`` key too long to show whole was cut with its closing quote,
+    ``logit_bias["aaaa...aaa]``, as if the key ended there: now ``logit_bias["aaa..."...]``."""
+    key = "a" * 60
+    code, answer = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
+                                                     "logit_bias": {key: 1}})
+    assert code == 400, answer
+    message = answer["error"]["message"]
+    assert message.startswith('logit_bias["' + "a" * 35 + '"...]: the key must be a token id'), \
+        message
+
+
+@pytest.mark.parametrize("value", ["1_0", "\u0663", "1_0.5"])
+def test_a_number_written_otherwise_than_in_ascii_digits_is_refused(monkeypatch, value):
+    """``CALEXEC_PROGRESS_S=1_0`` read as 10 s and ``bench charts --iters 1_0`` ran 10 jobs
+    (Python's ``float``/``int`` take an underscore between digits and any Unicode digit,
+    ``\u0663`` as 3); each is refused naming it, as the server refuses a drain's ``grace=1_0``."""
+    from calexec import cliargs
+    monkeypatch.setenv(cliargs.PROGRESS_ENV, value)
+    with pytest.raises(cliargs.UserError, match=r"^CALEXEC_PROGRESS_S="):
+        cliargs.progress_s()
+    monkeypatch.delenv(cliargs.PROGRESS_ENV)
+    code, out, err = _cli(["bench", "charts", "--iters", value.split(".")[0], "--json"])
+    assert code == 2 and out == "" and "argument --iters:" in err and "not an integer" in err
+    monkeypatch.setenv(cliargs.PROGRESS_ENV, " 5 ")  # (blanks around still read)
+    assert cliargs.progress_s() == 5.0
+
+
+def test_a_chart_reference_that_is_not_utf8_shows_its_bytes(tmp_path, monkeypatch):
+    """``charts paths $'mod\\xffx:Cls'`` said ``'mod\\udcffx:Cls': cannot import module
+    'mod\\udcffx'``, the surrogate Python read the byte as; the byte is shown, ``\\xff``."""
+    monkeypatch.chdir(tmp_path)
+    ref = b"mod\xffx:Cls".decode("utf-8", "surrogateescape")
+    for argv in (["charts", "paths", ref], ["charts", "mutate", "--chart", ref]):
+        code, _out, err = _cli(argv)
+        assert code == 2, err
+        assert "'mod\\xffx:Cls'" in err and "udc" not in err, err
+    from calexec.machines.chartref import bytes_escaped, shown_ref
+    assert shown_ref(ref) == "'mod\\xffx:Cls'"
+    # an escaped backslash followed by the text "udcff" is left as it is
+    assert bytes_escaped(repr("a\\udcff")) == repr("a\\udcff")
