@@ -663,19 +663,19 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     # were armed with no traffic left (not fired), and a request a KV fault refused had no
     # other request to give KV back (429 kv.deadline after its whole deadline, FI04)
     # the objects of the idle server after the warm-up are counted at the first fault step
-    # once every fault kind met traffic (a full cycle of them), ``warm`` requests were sent
+    # once every fault kind met traffic (a full cycle of them), ``warm_at`` requests were sent
     # (a tenth of the requests into the last decode-latency phase) and the executor's ring of
     # job trails is full (``job_trails_kept`` jobs, a few objects each: it grows for the first
     # thousand jobs); each kind's first fault and each phase's first requests fill caches of
-    # hundreds of objects too. With no faults they are counted at ``warm``, or later when the
+    # hundreds of objects too. With no faults they are counted at ``warm_at``, or later when the
     # ring would not be full by then (held there, the traffic is let go once they were
     # counted). A run with faults but no full cycle of them has no such count
-    warm = max(1, round(sum(p.share for p in phases[:-1]) * requests)
-               + math.ceil(WARM_SHARE * requests))
+    warm_at = max(1, round(sum(p.share for p in phases[:-1]) * requests)
+                  + math.ceil(WARM_SHARE * requests))
     if faults == 0:  # (about (lo + hi) / 2 tokens a request, a job each; half that, to be sure)
-        warm = min(requests, max(warm, math.ceil(4 * JOB_TRAILS_KEPT_DEFAULT
-                                                 / (max_tokens[0] + max_tokens[1]))))
-    tally = Tally(requests, gate=due(0) if faults > 0 else warm)
+        warm_at = min(requests, max(warm_at, math.ceil(4 * JOB_TRAILS_KEPT_DEFAULT
+                                                       / (max_tokens[0] + max_tokens[1]))))
+    tally = Tally(requests, gate=due(0) if faults > 0 else warm_at)
     problems: list[str] = []
     windows: list[dict[str, Any]] = []
     not_fired: Counter = Counter()
@@ -795,7 +795,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         if tally.issued >= requests or time.monotonic() > deadline:
                             break  # the traffic ended first: the faults left did not run
                         if ((objects_warm is None or i == faults - 1) and i >= len(kinds)
-                                and due(i) >= warm and tally.issued < requests):
+                                and due(i) >= warm_at and tally.issued < requests):
                             count_warm()  # (the warm-up's, and the last fault step's)
                         if i % len(order) == 0:
                             rng.shuffle(order)
@@ -839,13 +839,13 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                             "ended": time.monotonic()})
                         else:
                             not_fired[kind] += 1
-                    if faults == 0:  # (held at ``warm``, then at the last request)
-                        for gate in (warm, requests - 1):
+                    if faults == 0:  # (held at ``warm_at``, then at the last request)
+                        for gate in (warm_at, requests - 1):
                             tally.set_gate(gate)
                             wait_until(lambda gate=gate: tally.issued >= gate or stop.is_set()
                                        or time.monotonic() > deadline,
                                        max(0.0, deadline - time.monotonic()))
-                            if warm <= tally.issued < requests and (
+                            if warm_at <= tally.issued < requests and (
                                     time.monotonic() <= deadline):
                                 count_warm()
                     tally.set_gate(requests)
