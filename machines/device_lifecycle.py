@@ -106,6 +106,7 @@ from calexec.machines.generation import Generation, open_generation
 from calexec.machines.job import SHUTDOWN_CALLED, InferenceResult, Job, JobHandle
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.locks import RECOVERY
+from calexec.machines.served_files import ServedFiles
 
 if TYPE_CHECKING:
     from calexec.contracts.manifest import Manifest
@@ -313,6 +314,10 @@ class DeviceLifecycle:
         #: (``_report_refused_configure``): a fault of the recovery under way
         self._reporting_refusal = False
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
+        #: what served from each of them, held open (a restore loads that, not what the
+        #: path holds by now: machines/served_files.py)
+        self._served_files = ServedFiles()
+        self._restored_held = False  # (``_open``)
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
         self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
         self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
@@ -633,15 +638,23 @@ class DeviceLifecycle:
         rc = self._host.device.enable_parallel_mode(True)
         return Status.from_calrt(rc, Phase.CONFIGURE, "EnableParallelMode(true) for Phase B")
 
-    def _open(self, calbin_path: str) -> Status:
-        """Open generation+1 of ``calbin_path`` (Configuring)."""
+    def _open(self, calbin_path: str, restore: bool = False) -> Status:
+        """Open generation+1 of ``calbin_path`` (Configuring). ``restore`` (a recovery, a
+        roll back): what served from that path, held open if the path names another file by
+        now, and refused (``calbin.changed``) unless its sha256 is what served."""
         host = self._host
         config = host.config
         gen_id = next(self._gen_ids)
         engines = ((EngineSlot.PING, EngineSlot.PONG) if config.inflight_capacity == 2
                    else (EngineSlot.AUTO,))
+        load_from, served_sha = (self._served_files.source(calbin_path) if restore
+                                 else (calbin_path, None))
+        #: the last open loaded the file that served, held open, not what the path holds now
+        self._restored_held = load_from != calbin_path
         gen = open_generation(host.device, host.manifest, calbin_path, gen_id,
-                              config.slots_per_kind, host.locks, engines)
+                              config.slots_per_kind, host.locks, engines,
+                              load_from=load_from if self._restored_held else None,
+                              served_sha256=served_sha)
         if isinstance(gen, Status):
             return gen
         gen.kvc.on_busy = host.outcomes.release_armed_of  # armed jobs are guesses
@@ -692,6 +705,7 @@ class DeviceLifecycle:
         if path in self.good_calbins:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
+        self._served_files.served(path, host.gen.sha256)
         return Status.OK
 
     def expected_golden(self, sha: str) -> tuple[tuple[int, ...] | None, str]:
@@ -1220,7 +1234,9 @@ class DeviceLifecycle:
         switching = calbin_path is not None and calbin_path != old.calbin_path
         self._rollback_path = (self._last_good_other(exclude=target) if switching else
                                target if target in self.good_calbins else None)
-        status = self._configure_and_warm(target)
+        # a recovery restores what served (``_open``); a reload, of the serving path too,
+        # loads what the path holds now: a new calbin
+        status = self._configure_and_warm(target, restore=calbin_path is None)
         refused: list[str] = []
         first_refusal: Status | None = None
         # a switch's target whose golden job met a §8 TRANSIENT fault (13 timeout, 17 busy
@@ -1276,7 +1292,9 @@ class DeviceLifecycle:
                             "busy or slow, not the calbin): its golden is run again (run %d "
                             "of at most %d)", status, fields.shown(target, 300), target_runs,
                             self._host.config.recovery.max_recoveries + 1)
-            status = self._configure_and_warm(fallback)
+            # (the target again is what the operator asked for: loaded from its path; a
+            # roll back restores what served)
+            status = self._configure_and_warm(fallback, restore=not again)
             tried = fallback
             if again:
                 pass  # the target again: a refusal now is told as its own (above)
@@ -1286,7 +1304,10 @@ class DeviceLifecycle:
                 # allows (it escalates to Failed past max_recoveries), not Failed at the
                 # second fault of one recovery
                 self._rollback_path = fallback
-            if status.ok and fallback != target:
+            # (a reload of the serving path whose new file was refused, restored from the
+            # file that served, held open: a roll back, not a retry of what was asked)
+            if status.ok and (fallback != target or (calbin_path is not None
+                                                     and self._restored_held)):
                 record["refused"] = refused
                 ready = self._go_ready()
                 if not ready.ok:
@@ -1435,9 +1456,10 @@ class DeviceLifecycle:
                 and not self.run.final
                 and runs <= self._host.config.recovery.max_recoveries)
 
-    def _configure_and_warm(self, calbin_path: str) -> Status:
-        """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
-        status = self._open(calbin_path)
+    def _configure_and_warm(self, calbin_path: str, restore: bool = False) -> Status:
+        """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``
+        (``restore``: of what served from it, ``_open``)."""
+        status = self._open(calbin_path, restore)
         self._configure_refused_by_device = (not status.ok
                                              and status.category is Category.DEVICE)
         if not status.ok:
@@ -1934,3 +1956,4 @@ class DeviceLifecycle:
         if host.device is not None and not self._device_closed:
             self._device_closed = True
             host.device.close()
+        self._served_files.close()  # (nothing is restored past the device's close)

@@ -25,6 +25,7 @@ import os
 import stat
 from collections.abc import Callable
 
+from calexec.contracts import fields
 from calexec.contracts.codes import describe
 from calexec.contracts.errors import Category, classify
 from calexec.contracts.manifest import Manifest
@@ -34,6 +35,7 @@ from calexec.machines.device_api import CalbinApi, DeviceApi, KvManagerApi, Mode
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.pool import BufferPool
+from calexec.machines.served_files import CALBIN_CHANGED
 
 #: the code of a generation whose calbin the runtime did not load (``CalbinLoad``: the file
 #: is missing, unreadable or not a calbin the runtime takes, or the runtime failed loading
@@ -136,15 +138,22 @@ def _load_may_wait(calbin_path: str) -> str | None:
 
 def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, generation_id: int,
                     slots_per_kind: int, locks: LockOrder,
-                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> Generation | Status:
-    """Load, resolve (exact names, before configure), configure, create KV and pool."""
+                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
+                    load_from: str | None = None,
+                    served_sha256: str | None = None) -> Generation | Status:
+    """Load, resolve (exact names, before configure), configure, create KV and pool.
+
+    A restore (a recovery, a roll back: machines/served_files.py) loads ``load_from`` (the
+    file that served, held open) for ``calbin_path`` and refuses a calbin whose sha256 is
+    not ``served_sha256`` (``calbin.changed``) before anything is configured."""
     ctx = {"generation": generation_id}
-    waits = _load_may_wait(calbin_path)
+    source = calbin_path if load_from is None else load_from
+    waits = _load_may_wait(source)
     if waits is not None:
         return Status.failure(CALBIN_LOAD_FAILED, Category.ARTIFACT, Phase.CONFIGURE,
                               f"calbin load of {calbin_path!r} not attempted: {waits}",
                               generation=generation_id)
-    rc, calbin = device.load_calbin(calbin_path)
+    rc, calbin = device.load_calbin(source)
     if rc != 0:
         return calbin_load_failed(rc, calbin_path, generation_id)
     if calbin is None:
@@ -155,6 +164,15 @@ def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, gen
         for teardown in reversed(done):
             teardown()
         return status
+
+    if served_sha256 is not None and calbin.sha256 != served_sha256:
+        return undo(Status.failure(
+            CALBIN_CHANGED, Category.ARTIFACT, Phase.CONFIGURE,
+            f"calbin {fields.shown(calbin_path, 300)} no longer holds the calbin that served "
+            f"from it (sha256 {served_sha256[:16]}..., the file now {calbin.sha256[:16]}...): "
+            "it was written over in place since, and a recovery or roll back restores only "
+            "what served; write a new calbin to a new path, or to a new file renamed over the "
+            "old one (mv), and reload it", **ctx))
 
     rc, models = calbin.models()
     if rc != 0:

@@ -7,7 +7,6 @@ declared lifecycle transition reached through the executor."""
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import sys
@@ -900,12 +899,14 @@ def lifecycle_scenarios(calbins):
         ex.switch_model(calbins["other"] + ".bad")
         ex.switch_model(calbins["missing"])
     # a switch whose rollback fails too ends Failed with the reason (§9.2): the last good
-    # calbin is gone, and there is nothing left to roll back to
+    # calbin was written over in place, and there is nothing left to roll back to (removed,
+    # or a new file renamed over it, the file that served is held open and restored: stop 73)
     with running_executor(calbins["main"]) as ex:
         copy = calbins["main"] + ".copy"
         shutil.copyfile(calbins["main"], copy)
         assert ex.switch_model(copy).ok
-        os.remove(copy)
+        with open(copy, "wb") as f:  # (the same file: its bytes are gone)
+            f.write(b"not a calbin any more\n")
         status = ex.switch_model(calbins["missing"])
         assert not status.ok and ex.state == "Failed", (status, ex.state)
     # Ready -> Failed (compatibility)
