@@ -21,7 +21,7 @@ import os
 import stat
 import threading
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("calexec.executor")  # (the lifecycle's logger: docs/embedding.md)
 
 #: how many calbins that served are held open (the newest; the older ones are restored from
 #: their path, still checked against the sha256 that served)
