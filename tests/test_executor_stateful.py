@@ -108,6 +108,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.jobs: list = []  # (handle, seq, tokens, past, want)
         self.checked: set[int] = set()
         self.streams: dict = {}  # seq -> DecodeStream (issue 17: the next job pre-armed)
+        self.cancelled: dict = {}  # seq -> the stream stream_close cancelled (another thread's)
         # this example's view of the chart contracts (the session checks them too)
         self.contracts = enable_contracts(*DECLARED.values(), raise_on_violation=False)
 
@@ -268,6 +269,13 @@ class ExecutorMachine(RuleBasedStateMachine):
             assert ahead is None or ahead[0] != token or stream.ahead is None
             return
         job = job_of(handle)
+        if self.cancelled.get(seq) is stream:
+            # cancelled (stream_close): the step goes the plain path's way, cancelled as it
+            # is created; a step fired ahead is not adopted (found by CI at stop 73: the
+            # model expected it adopted)
+            assert ahead is None or ahead[1] is None or job is not job_of(ahead[1])
+            self.jobs.append((handle, seq, [token], past, None))
+            return
         if ahead is not None and ahead[1] is not None:
             assert job_of(handle) is job_of(ahead[1]) and ahead[0] == token  # greedy ahead: adopted
             assert job.request.past_len == past
@@ -313,6 +321,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             armed = stream.armed
             if cancel:  # another thread's cancel: the submitter releases the armed job
                 stream.cancel()
+                self.cancelled[seq] = stream
             else:
                 stream.close()
                 assert armed is None or (armed.done and armed.run.state == "Failed")
@@ -668,5 +677,25 @@ def test_a_dropped_recovery_leaves_the_device_stepped_with_no_stage_running():
         state.stream_wait(seq=3)
         state.enqueue_decode(data=_Draws(5, 0), token=55213)
         state.stream_step(ahead=False, follow=False, seq=2, token=438)
+    finally:
+        state.teardown()
+
+
+def test_a_cancelled_greedy_stream_answers_its_next_step_the_plain_way():
+    """Found by CI's run of TestExecutorStateful (stop 73), replayed: a greedy-ahead stream
+    fired its next step, another thread cancelled the stream, and its owner's next submit
+    went the plain path's way (a cancelled step), not adopting the step fired ahead: the
+    model expected it adopted."""
+    state = ExecutorMachine()
+    try:
+        state.start()
+        state.enqueue_prefill(data=_Draws(0, 0, [0]), n=1, rewind=False, want=None)
+        state.submit()
+        state.stream_step(ahead=True, follow=False, seq=2, token=0)
+        assert state.streams[2].ahead is not None
+        state.stream_close(cancel=True, seq=2)
+        state.stream_step(ahead=False, follow=False, seq=2, token=0)
+        handle = state.jobs[-1][0]
+        assert handle.done and isinstance(job_of(handle).result, Status)
     finally:
         state.teardown()
