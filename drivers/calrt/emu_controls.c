@@ -111,18 +111,10 @@ int32_t calrt_emu_set_stepped(calrt_device *h, int32_t on)
         dev->resumed_ns = emu_now_ns();
     dev->k.stepped = on != 0;
     emu_wake_engines(dev);
-    if (on) {
-        /* The caller owns the engines from here: wait (at most a stage's latency) for the
-         * stage a device thread is in to end, so its next calrt_emu_step never meets 17. */
-        dev->waiters++;
-        while (emu_any_in_stage(dev) && !dev->closing)
-            pthread_cond_wait(&dev->stage_cv, &dev->mu);
-        dev->waiters--;
-        if (dev->closing) {
-            pthread_cond_broadcast(&dev->stage_cv);
-            return emu_unlock_rc(dev, CALRT_ERR_DEVICE_UNAVAILABLE);
-        }
-    }
+    /* The caller owns the engines from here: the stage a device thread is in ends first,
+     * so its next calrt_emu_step never meets 17. */
+    if (on && !emu_wait_out_of_stages(dev))
+        return emu_unlock_rc(dev, CALRT_ERR_DEVICE_UNAVAILABLE);
     return emu_unlock_rc(dev, CALRT_SUCCESS);
 }
 

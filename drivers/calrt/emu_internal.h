@@ -237,6 +237,7 @@ int32_t emu_unlock_rc(emu_device *dev, int32_t rc); /* unlock dev->mu, return rc
 const knob_def *emu_knob_find(const char *key);
 int64_t *emu_knob_ptr(emu_device *dev, const knob_def *k);
 int emu_any_in_stage(emu_device *dev);
+int emu_wait_out_of_stages(emu_device *dev); /* 0: closing (dev->mu held) */
 
 /* emu_engine.c */
 uint64_t emu_sm(uint64_t z);

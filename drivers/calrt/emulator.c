@@ -307,6 +307,21 @@ int emu_any_in_stage(emu_device *dev)
     return 0;
 }
 
+/* Wait (dev->mu held, counted among the waiters close waits for) until no engine is in a
+ * stage: at most a stage's latency. 0 if the device closes meanwhile (its close woken). */
+int emu_wait_out_of_stages(emu_device *dev)
+{
+    dev->waiters++;
+    while (emu_any_in_stage(dev) && !dev->closing)
+        pthread_cond_wait(&dev->stage_cv, &dev->mu);
+    dev->waiters--;
+    if (dev->closing) {
+        pthread_cond_broadcast(&dev->stage_cv);
+        return 0;
+    }
+    return 1;
+}
+
 /* Stop the threads and free dev. dev->mu held on entry; handles already invalidated. */
 static void device_shutdown(emu_device *dev)
 {
@@ -1504,14 +1519,8 @@ static int32_t do_reset(calrt_device *h, int kind)
     if (!dev)
         return CALRT_ERR_INVALID_VALUE;
     int64_t scope = kind == 0 ? dev->k.reset_ccu_scope : kind == 1 ? dev->k.reset_config_scope : dev->k.reset_scope;
-    dev->waiters++;
-    while (emu_any_in_stage(dev) && !dev->closing)
-        pthread_cond_wait(&dev->stage_cv, &dev->mu);
-    dev->waiters--;
-    if (dev->closing) {
-        pthread_cond_broadcast(&dev->stage_cv);
+    if (!emu_wait_out_of_stages(dev))
         return emu_unlock_rc(dev, CALRT_ERR_DEVICE_UNAVAILABLE);
-    }
     if (scope & CALRT_EMU_SCOPE_JOBS)
         abort_jobs(dev);
     if ((scope & CALRT_EMU_SCOPE_KV) && dev->kv)
