@@ -145,6 +145,9 @@ CAUSES = ("replica_died", "drained", "unavailable")
 RERUN_ROUTES = frozenset({("POST", "/v1/responses")})
 #: the Responses API's route: a failure in its stream is said as a Responses ``error`` event
 RESPONSES = ("POST", "/v1/responses")
+#: the route an operator cancels a request by (its id is the rest of the path): forwarded to
+#: the replica running that request (:meth:`FleetIngress.cancel_target`)
+CANCEL_PATH = "/admin/cancel/"
 #: an event's ``sequence_number`` as the server writes it (compact JSON, right after ``type``;
 #: inside a string value a quote is escaped, so no text matches it) and how much of the bytes
 #: forwarded is kept to find one cut between two chunks
@@ -171,7 +174,7 @@ def fleet_body_too_large(limit: int, path: str) -> Status:
     """The failure of the ingress's 413 for a body to ``path`` over ``limit`` bytes
     (:data:`FLEET_TAKES`, else :data:`FLEET_MORE_BYTES`)."""
     takes = FLEET_TAKES.get(path)
-    if takes is None and path.startswith("/admin/cancel/"):  # (its id is in the path)
+    if takes is None and path.startswith(CANCEL_PATH):  # (its id is in the path)
         takes = admin.CANCEL_TAKES
     return error_bodies.body_too_large(limit, takes or FLEET_MORE_BYTES)
 
@@ -259,6 +262,18 @@ class _Client:
 
 
 @attrs.define
+class _Live:
+    """A request admitted by the ingress and not finished."""
+
+    #: its ``x-request-id``: the client's ``X-Request-Id``, else the one its response started
+    #: with (None before that: its client was given none)
+    request_id: str | None
+    #: what its client has been sent, its replica and its response id (the replica's
+    #: progress); None until it is forwarded
+    client: _Client | None = None
+
+
+@attrs.define
 class _Outcome:
     """How one attempt ended: ``cause`` None when the response reached its end."""
 
@@ -302,10 +317,9 @@ class FleetIngress:
         self.draining = False
         #: HTTP requests admitted here and not finished (what :meth:`drain` waits for)
         self.active = 0
-        #: the ``x-request-id`` of each admitted request, in admission order: the client's
-        #: ``X-Request-Id``, else the one its response started with (None before that: its
-        #: client was given none); a drain that leaves requests names them
-        self._ids: dict[object, str | None] = {}
+        #: each admitted request, in admission order (:class:`_Live`): a drain that leaves
+        #: requests names them; a cancel goes to the replica running the request it names
+        self._live: dict[object, _Live] = {}
 
     async def drain(self, grace_s: float, poll_s: float = 0.05) -> dict[str, Any]:
         """Stop admitting (every new request: 503 + ``Retry-After``, "fleet is draining") and
@@ -324,7 +338,8 @@ class FleetIngress:
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
         left = self.active
-        ids = [rid for rid in list(self._ids.values()) if rid is not None]
+        ids = [live.request_id for live in list(self._live.values())
+               if live.request_id is not None]
         if left:
             log.warning("ingress drain: grace %gs over, %d request(s) still running are cut%s",
                         grace_s, left, wire.cut_ids(ids))
@@ -343,18 +358,17 @@ class FleetIngress:
             await self._refuse_draining(scope, receive, with_request_id(scope, send))
             return
         key = object()
-        self._ids[key] = wire.client_request_id(scope.get("headers", []))
+        live = self._live[key] = _Live(wire.client_request_id(scope.get("headers", [])))
 
         def sent(request_id: str) -> None:
-            if key in self._ids:
-                self._ids[key] = request_id
+            live.request_id = request_id
         send = with_request_id(scope, send, sent)
         self.active += 1
         try:
-            await self._admitted(scope, receive, send)
+            await self._admitted(scope, receive, send, live)
         finally:
             self.active -= 1
-            self._ids.pop(key, None)
+            self._live.pop(key, None)
 
     async def _refuse_draining(self, scope: Message, receive: Receive, send: Send) -> None:
         """The draining 503 + ``Retry-After`` ("fleet is draining"), once the request's body
@@ -375,7 +389,8 @@ class FleetIngress:
         await send_held(send, *refusal(Status.unavailable(Phase.ADMISSION, "fleet is draining"),
                                        503, self.settings.retry_after_s, close=close))
 
-    async def _admitted(self, scope: Message, receive: Receive, send: Send) -> None:
+    async def _admitted(self, scope: Message, receive: Receive, send: Send,
+                        live: _Live) -> None:
         chunks, read = await read_body(receive, self.settings.max_body_bytes,
                                        self.settings.body_timeout_s)
         if read == BODY_GONE:  # the client left while sending its body
@@ -402,8 +417,25 @@ class FleetIngress:
             return
         body = b"".join(chunks)
         route = (scope["method"], route_path(scope))
+        pin = None
+        if route[0] == "POST" and route[1].startswith(CANCEL_PATH):
+            pin = self.cancel_target(route[1][len(CANCEL_PATH):], live)
         await self._serve(scope, body, receive, send, route in RELAY_ROUTES,
-                          route in RERUN_ROUTES)
+                          route in RERUN_ROUTES, live, pin)
+
+    def cancel_target(self, ident: str, asking: _Live | None = None) -> str | None:
+        """The replica ``POST /admin/cancel/{ident}`` goes to: the one running the requests
+        in progress here whose ``x-request-id`` or response id (their replica's progress
+        report) is ``ident``. None (the router's choice, one replica) when no request here is
+        known by it yet, its replica is not known yet, or it names requests on two replicas
+        or more (the ingress does not answer for the replicas: the one asked refuses an id
+        naming two of its own requests, or cancels its one). Until stop 74 every cancel went
+        to the router's choice, and answered 404 whenever the request ran on another
+        replica. Never the cancel request itself (``asking``)."""
+        replicas = {live.client.replica for live in list(self._live.values())
+                    if live is not asking and live.client is not None
+                    and ident in (live.request_id, (live.client.admitted or {}).get("id"))}
+        return replicas.pop() if len(replicas) == 1 else None
 
     def route_bound(self, scope: Message) -> tuple[float, str]:
         """The bound of a route forwarded once, and the setting's name."""
@@ -412,10 +444,12 @@ class FleetIngress:
         return self.settings.route_timeout_s, "route_timeout_s"
 
     async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
-                     resumable: bool, rerun: bool = False) -> None:
+                     resumable: bool, rerun: bool = False, live: _Live | None = None,
+                     pin: str | None = None) -> None:
         """Forward the request: ``resumable`` (completions, chat) with progress, failed over
         and resumed; ``rerun`` (``RERUN_ROUTES``) failed over only before its first byte;
-        neither: once, within its route's bound."""
+        neither: once, within its route's bound. ``live``: where it is followed while it
+        runs; ``pin``: the replica it goes to (``request["replica"]``, the router's pin)."""
         failover = resumable or rerun  # bounded by the request's deadline, retried
         timeout = (request_timeout(body, self.settings.default_timeout_s) if failover
                    else self.route_bound(scope)[0])
@@ -423,6 +457,8 @@ class FleetIngress:
         slack = self.settings.deadline_slack_s
         client = _Client(cut_at=deadline + slack, slack_s=slack,
                          responses=(scope.get("method"), route_path(scope)) == RESPONSES)
+        if live is not None:
+            live.client = client
         avoid: list[str] = []
         watching = asyncio.ensure_future(wait_disconnect(receive))
         forwarding: asyncio.Future[_Outcome] | None = None
@@ -430,6 +466,8 @@ class FleetIngress:
         try:
             while True:
                 request = relay_request(scope, body, INGRESS)
+                if pin is not None:
+                    request["replica"] = pin
                 if failover:
                     request["avoid"] = list(avoid)
                 if resumable:
