@@ -159,7 +159,7 @@ def test_a_stream_is_cancelled_through_the_ingress_by_its_response_id(tmp_path):
 
 def test_a_cancel_the_ingress_cannot_place_goes_to_the_router_s_choice(tmp_path):
     """An id no request in progress here has: no pin (the router's choice), the replica's
-    404, which says the ingress asked one replica."""
+    404, which says the ingress could not place it and asked one replica."""
     with fleet(tmp_path) as (server, replicas):
         answer = cancel(server.url, "nothing-74")
         assert answer.status_code == 404, answer.text

@@ -57,7 +57,9 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    for any generation longer than that.
 5. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
    forwarded once, to whichever replica the router picks: they describe or steer one replica,
-   and an admin POST is never repeated on another. Each is bounded: its whole answer within
+   and an admin POST is never repeated on another. ``POST /admin/cancel/{id}`` goes to the
+   replica running the request it names, when the ingress can place it
+   (:meth:`FleetIngress.cancel_target`). Each is bounded: its whole answer within
    ``route_timeout_s`` (``admin_timeout_s`` for ``/admin/*``, whose reload runs a model
    switch), else the replica's call is cancelled and the client gets 504 ``wait.deadline``
    naming the route, the replica and the bound (with ``Retry-After`` on the routes a retry

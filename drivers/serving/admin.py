@@ -97,7 +97,8 @@ DRAIN_PARAMS = ("grace",)
 CANCEL_TAKES = ("/admin/cancel/{id} takes no body: the request's response id or x-request-id "
                 "is the path's last segment")
 #: the header the fleet ingress marks the requests it forwards with (drivers/fleet/edge.py
-#: ``RELAYED_FROM``; its value ``ingress``): a cancel it forwarded reached one replica
+#: ``RELAYED_FROM``; its value ``ingress``): a cancel it forwarded reached the replica running
+#: the request it names, or, when the ingress could not place it, one replica
 RELAYED_FROM = "x-calexec-relayed-from"
 #: a drain's ``grace``: an ASCII decimal number (``float()`` alone also reads "٣" as 3,
 #: "1_0" as 10 and " 5" as 5)
@@ -282,7 +283,8 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                 "response id"), "id")
         if done.outcome == "not_found":
             where = ("no request in progress on the replica the fleet ingress sent this to "
-                     "(it sends /admin/* to one replica: the request may run on another)"
+                     "(it sends a cancel to the replica running the request it names when it can "
+                     "place it, else to one replica: the request may run on another)"
                      if request.headers.get(RELAYED_FROM) == "ingress"
                      else "no request in progress")
             return error_response(Status.failure(
