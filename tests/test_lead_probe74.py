@@ -233,3 +233,18 @@ def test_an_id_naming_requests_on_two_replicas_is_not_pinned():
         await asyncio.gather(*generations)
     asyncio.run(go())
     assert calls == [None, None, None, "r2"], calls
+
+
+def test_a_drain_grace_of_minus_zero_is_answered_as_zero(tmp_path):
+    """``POST /admin/drain?grace=-0`` is a drain of grace 0, answered ``"grace": 0.0`` (it
+    was ``-0.0``, and the log said ``grace -0s``)."""
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        with LiveServer(app) as server:
+            answer = httpx.post(f"{server.url}/admin/drain?grace=-0", headers=AUTH,
+                                timeout=WAIT_S)
+            assert answer.status_code == 202, answer.text
+            assert b'"grace":0.0' in answer.content, answer.text
+    finally:
+        executor.shutdown(5.0)

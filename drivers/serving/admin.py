@@ -233,7 +233,7 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         if raw_grace is None:  # the server's own drain grace (`--grace`), as its signals'
             grace = config.drain_grace_s
         elif GRACE.fullmatch(raw_grace):
-            grace = float(raw_grace)
+            grace = float(raw_grace) + 0.0  # (-0 is 0: the answer said "grace": -0.0)
         else:
             grace = math.nan
         if raw_grace is not None and not (
