@@ -659,6 +659,9 @@ class Answer:
         body = self.body
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            # when the answer ended, a completed one only (OpenAI's: null while in progress and
+            # for an incomplete or failed Response)
+            "completed_at": int(time.time()) if status == "completed" else None,
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length"
             else None,
@@ -674,6 +677,14 @@ class Answer:
                      "verbosity": "medium"},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p,
+            # the request's hints, echoed as OpenAI echoes them: honoured (top_logprobs) or
+            # nothing to do here (no cache, no safety checks), never a value not asked for
+            "top_logprobs": body.top_logprobs, "prompt_cache_key": body.prompt_cache_key,
+            # "in-memory" (the spelling the SDK's request type also takes) as its Response
+            # type spells it, "in_memory"
+            "prompt_cache_retention": None if body.prompt_cache_retention is None
+            else body.prompt_cache_retention.replace("-", "_"),
+            "safety_identifier": body.safety_identifier,
             "truncation": "disabled", "usage": self.usage, "user": body.user}
 
     def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
