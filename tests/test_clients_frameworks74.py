@@ -43,10 +43,10 @@ def test_dspy_predicts_a_typed_signature_through_the_json_adapters_structured_ou
     signature's types, sync and ``acall``; ``openai/`` without a declaration answers plain text,
     and a prompt past the context raises DSPy's ``ContextWindowExceededError``."""
     dspy = library("dspy", "dspy==3.4.1")
-    from dspy.lm15 import ModelSupport, ProviderDefinition, register_provider
-    from dspy.utils.exceptions import ContextWindowExceededError
     from dspy._vendor.lm15.compat import OpenAIChatCompat
     from dspy._vendor.lm15.features import AccessPolicy
+    from dspy.lm15 import ModelSupport, ProviderDefinition, register_provider
+    from dspy.utils.exceptions import ContextWindowExceededError
     server, _, _ = live
     base = f"{server.url}/v1"
     register_provider(ProviderDefinition.chat(
@@ -117,8 +117,13 @@ def test_autogen_client_calls_a_tool_and_answers_a_typed_output(live):
     required gives the tool's call, the ``FunctionExecutionResultMessage`` turn is answered,
     ``json_output`` of a pydantic model parses, a stream's last item is the whole result."""
     library("autogen_ext.models.openai", "autogen-agentchat==0.7.5 'autogen-ext[openai]==0.7.5'")
-    from autogen_core.models import (AssistantMessage, FunctionExecutionResult,
-                                     FunctionExecutionResultMessage, ModelInfo, UserMessage)
+    from autogen_core.models import (
+        AssistantMessage,
+        FunctionExecutionResult,
+        FunctionExecutionResultMessage,
+        ModelInfo,
+        UserMessage,
+    )
     from autogen_core.tools import FunctionTool
     from autogen_ext.models.openai import OpenAIChatCompletionClient
     server, _, _ = live

@@ -213,11 +213,11 @@ def test_the_recorded_requests_cover_every_library_and_what_they_send():
 
 def test_a_response_echoes_the_hints_it_was_given_and_when_it_completed(live):
     """A Response echoes the request's ``top_logprobs`` (honoured: each token carries that many
-    alternatives, fewer where a grammar allows fewer), ``prompt_cache_key``, ``prompt_cache_retention`` and ``safety_identifier``
-    as OpenAI's does, and a completed one says when (``completed_at``); an incomplete one has
-    none. Until stop 74 the four were absent, so ``response.top_logprobs`` read None after asking
-    for 3 (haystack's and the Agents SDK's response metadata), and ``completed_at`` was never
-    set."""
+    alternatives, fewer where a grammar allows fewer), ``prompt_cache_key``,
+    ``prompt_cache_retention`` and ``safety_identifier`` as OpenAI's does, and a completed one
+    says when (``completed_at``); an incomplete one has none. Until stop 74 the four were
+    absent, so ``response.top_logprobs`` read None after asking for 3 (haystack's and the
+    Agents SDK's response metadata), and ``completed_at`` was never set."""
     server, client, _ = live
     before = int(time.time())
     asked = dict(model=MODEL, input="hi", top_logprobs=3, prompt_cache_key="k",
