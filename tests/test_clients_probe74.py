@@ -201,7 +201,8 @@ def test_the_recorded_requests_cover_every_library_and_what_they_send():
             "stream_options", "n", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
             "user", "metadata", "store", "service_tier", "prediction", "modalities", "audio",
             "parallel_tool_calls", "include", "max_output_tokens",
-            "prompt_cache_key", "safety_identifier"} <= sent
+            "prompt_cache_key", "safety_identifier", "reasoning_effort", "top_k", "min_p",
+            "repetition_penalty", "ignore_eos"} <= sent
     prompts = [row["body"]["prompt"] for row in rows if row["path"] == "/v1/completions"]
     assert any(isinstance(p, list) and p and isinstance(p[0], int) for p in prompts)
     assert any(isinstance(p, list) and p and isinstance(p[0], list) for p in prompts)
