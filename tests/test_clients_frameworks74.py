@@ -11,15 +11,15 @@ import json
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel
 
 import needs
 from test_server_support import MODEL, live_fixture  # noqa: F401 - the ``live`` fixture
 
 needs.module("httpx", "server")
+pydantic = needs.module("pydantic", "server")
 
 
-class Answer(BaseModel):
+class Answer(pydantic.BaseModel):
     answer: int
     sure: bool
 
