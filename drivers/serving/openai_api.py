@@ -1360,6 +1360,8 @@ class _Choices:
         self.results: list[dict[str, Any] | None] = [None] * count
         self.extra: dict[str, Any] = {}
         self.runs: list[RequestRun] = []
+        #: a stream's ``wire.SendCut`` (each run holds it: a cancel cuts a stalled send)
+        self.sending: wire.SendCut | None = None
         #: the shapes of the choices started so far (the first one opens every choice)
         self.shapes: list[_Shape] = []
         #: a stream's chunks, in the order the choices make them; None: every choice ended
@@ -2090,6 +2092,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             scope.cancel()
             return
         state.runs.append(run)
+        run.send_cut = state.sending  # (streamed: the one response's sends; else None)
         run.sampling = params
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output,
                          params.min_tokens)
@@ -2151,6 +2154,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         end; a failure before the first chunk is the response's status, after it an error
         event (no ``[DONE]``), as for one choice."""
         service = owner.service
+        state.sending = wire.SendCut()  # (before a choice runs: each run holds it)
         producer = asyncio.get_running_loop().create_task(produce())
 
         async def stop() -> None:  # the choices end and release what they hold
@@ -2218,7 +2222,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
 
         return wire.BoundedStreamingResponse(
             events(), service.sends, lambda: deadline + config.deadline_slack_s, cut,
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            state.sending, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def hand_off(request: Request, run: RequestRun) -> bool:
         """A draining replica hands a fleet request (one with a progress channel) to a
@@ -2232,6 +2236,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                             ) -> Response:
         service = owner.service
         first: int | None = None
+        sending = run.send_cut = wire.SendCut()  # (a cancel cuts a send waiting for the client)
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
             nonlocal first
@@ -2309,7 +2314,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         # is cut there, and its sequence, KV and pre-armed slot come back (service.cut)
         return wire.BoundedStreamingResponse(
             events(), service.sends, lambda: run.deadline + config.deadline_slack_s,
-            lambda: service.cut(run), media_type="text/event-stream",
+            lambda: service.cut(run), sending, media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"})
 
     return ChatPath(read_body, chat_answer, refused, answered, count)

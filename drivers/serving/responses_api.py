@@ -891,7 +891,7 @@ def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
             return JSONResponse(answer.whole(json.loads(bytes(result.body))))
         return wire.BoundedStreamingResponse(
             _relay(result, EventStream(answer)), result.bounds, result.until, result.on_cut,
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            result.sending, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/responses/input_tokens")
     async def input_tokens(request: Request) -> Response:

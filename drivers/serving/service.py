@@ -601,6 +601,9 @@ class RequestRun:
     #: the cancel scope of the wait ``advance`` is in now (a sequence id, a job, a burst), which
     #: a cancel cancels; None between two waits (the next ``advance`` sees ``cancelled``)
     scope: anyio.CancelScope | None = None
+    #: a streamed answer's ``wire.SendCut`` (the route sets it): a cancel cuts its send to a
+    #: client that stopped reading at once, not at the request's deadline + slack
+    send_cut: Any = None
 
     def __attrs_post_init__(self) -> None:
         self.burst_room = threading.Condition(self.mu)
@@ -1984,11 +1987,16 @@ class CompletionService:
 
     async def cut(self, run: RequestRun) -> None:
         """The request's response was cut: one of its sends did not complete by the request's
-        deadline + ``deadline_slack_s`` (a client that stopped reading), or by the end of a
-        drain. It ends as ``request.client_stalled`` (499: nobody reads it) and gives back
+        deadline + ``deadline_slack_s`` (a client that stopped reading), by the end of a
+        drain, or an operator's cancel found it waiting in a send (``wire.SendCut``). It ends
+        as ``request.client_stalled`` (499: nobody reads it; a cancelled one as its
+        ``request.aborted``) and gives back
         now what it holds (``finish``): its job is cancelled, its decode stream closed, its
         sequence released."""
-        if not run.finished:
+        if not run.finished and run.cancelled is not None:  # an operator's cancel cut it
+            run.abandoned = True
+            run.status = run.cancelled
+        elif not run.finished:
             run.abandoned = True
             run.status = Status.failure(
                 "request.client_stalled", Category.CANCELLED, Phase.CANCEL,
@@ -2209,6 +2217,9 @@ class CompletionService:
             scope = run.scope
             if scope is not None:
                 scope.cancel()
+            if run.send_cut is not None:  # a stream blocked in its send is cut now (no waiting
+                # for a client that stopped reading); one that reads gets its error event
+                run.send_cut.cut(self.config.deadline_slack_s)
         if told:
             log.info("admin: cancelled request %s (%d choice%s), x-request-id %s",
                      fields.shown(ident, 128), told, "" if told == 1 else "s", x_request_id)

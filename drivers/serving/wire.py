@@ -808,6 +808,39 @@ class SendGuard:
         self._bounds.discard(self)
 
 
+class SendCut:
+    """A handle on one streamed response's sends, held by its requests (``RequestRun.send_cut``)
+    so that an operator's cancel (``CompletionService.cancel``) reaches a response blocked in a
+    send to a client that stopped reading: :meth:`cut` cuts a send waiting now at once (the
+    response's ``on_cut`` gives back what the request holds, the connection is aborted), and
+    bounds every later send by ``slack`` seconds from now (a client that reads gets the error
+    event; one that does not is cut then). Until stop 74 the cancel reached only the request's
+    wait for its next token: a stream blocked in its send held its sequence until its own
+    deadline + ``deadline_slack_s``. A response relaying another's body (the Responses API)
+    takes the handle of the one it relays. Event-loop only."""
+
+    def __init__(self) -> None:
+        self._guard: SendGuard | None = None
+        self._slack: float | None = None  # cut asked before the response's sends began
+
+    def attach(self, guard: SendGuard) -> None:
+        """(``BoundedStreamingResponse``) The response's sends began under ``guard``."""
+        self._guard = guard
+        if self._slack is not None:
+            self.cut(self._slack)
+
+    def detach(self) -> None:
+        self._guard = None
+
+    def cut(self, slack: float) -> None:
+        """Cut the send waiting now; no later send waits past ``slack`` seconds from now."""
+        self._slack = slack if self._slack is None else min(self._slack, slack)
+        guard = self._guard
+        if guard is not None:
+            now = time.monotonic()
+            guard.bound(now if guard.sending else now + slack)
+
+
 class BoundedStreamingResponse(StreamingResponse):
     """A streamed response whose every send must complete by ``until()`` (absolute
     ``time.monotonic()``; a request's deadline + ``deadline_slack_s``) or the ``bounds``' cut.
@@ -818,9 +851,12 @@ class BoundedStreamingResponse(StreamingResponse):
     application did not complete)."""
 
     def __init__(self, content: Any, bounds: SendBounds, until: Callable[[], float],
-                 on_cut: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+                 on_cut: Callable[[], Awaitable[None]], sending: SendCut | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.bounds, self.until, self.on_cut = bounds, until, on_cut
+        #: the handle a cancel cuts its sends by (``SendCut``; a relay passes its source's)
+        self.sending = SendCut() if sending is None else sending
         self.abort: Callable[[], None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -830,6 +866,7 @@ class BoundedStreamingResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         with anyio.CancelScope() as stalled:  # cancelled only by the guard, only in a send
             guard = self.bounds.guard(stalled, self.until())
+            self.sending.attach(guard)
             try:
                 await guard.send(send, {"type": "http.response.start",
                                         "status": self.status_code,
@@ -846,6 +883,7 @@ class BoundedStreamingResponse(StreamingResponse):
                     await self._close_body()
                 raise
             finally:
+                self.sending.detach()
                 guard.close()
         if stalled.cancelled_caught:
             await self._cut()
