@@ -16,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import random
 import re
+import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -471,4 +474,191 @@ def test_two_cancels_of_one_id_at_once_tell_it_once(tmp_path, caplog):
         assert metric_value(text, "calexec_request_failures_total",
                             {"code": "request.aborted"}) >= 1
         assert metric_value(text, "calexec_request_success_total") is None
+    no_traceback(caplog)
+
+
+# ---- 1: a seeded schedule of everything at once ----------------------------------------------
+KINDS = {
+    "completion": ("/v1/completions", {"prompt": PROMPT}),
+    "completion_stream": ("/v1/completions", {"prompt": PROMPT, "stream": True}),
+    "chat_n2_stream": ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                              "content": "hello"}],
+                                                "n": 2, "stream": True}),
+    "grammar": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                         "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "s",
+                                                                             "schema": SCHEMA}}}),
+    "prompt_list": ("/v1/completions", {"prompt": [PROMPT, [9, 10]]}),
+}
+
+
+def outcome_of(status: int, events: list) -> str:
+    """A client's answer as one shape: ``done`` (200 whole / ``[DONE]``), ``aborted`` (409 or
+    the error event) or ``error:<code>`` (another documented failure, never a 500)."""
+    assert status != 500, events
+    if status != 200:
+        code = events[0]["error"]["code"]
+        return "aborted" if code == "request.aborted" else f"error:{code}"
+    if not events or not isinstance(events[0], dict) or "choices" not in events[0] or \
+            len(events) > 1:  # a stream
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        done = "[DONE]" in events
+        assert errors or done, events[-3:]
+        assert not (errors and done) and len(errors) <= 1, events[-3:]
+        if errors:
+            assert events[-1] is errors[0]
+            code = errors[0]["error"]["code"]
+            return "aborted" if code == "request.aborted" else f"error:{code}"
+        assert events[-1] == "[DONE]"
+    return "done"
+
+
+@pytest.mark.parametrize("seed", [74, 740])
+def test_a_seeded_schedule_of_cancels_faults_and_kinds(tmp_path, caplog, seed):
+    """Requests of every kind (streams, ``n`` 2 streams, grammar, prompt lists) on a free
+    running device whose jobs fault at a seeded rate (recoveries, resumes), cancelled at
+    seeded moments (some twice, from two clients): every answer one documented shape; a 202
+    ``cancelled`` ends its request ``request.aborted``; the cancel and request counters say
+    what the clients saw; everything back."""
+    caplog.set_level(logging.INFO)
+    rng = random.Random(seed)
+    count = 14
+    with served(tmp_path, max_sequences=4) as (server, service, executor):
+        emu = executor.device.emu
+        # a fault every k-th job (a few recoveries, under the escalation's 5 a minute)
+        every = rng.randint(300, 420)
+        assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.EVERY_K, every, seed, 0) == 0
+        plan = [(f"chaos-{seed}-{i}", rng.choice(sorted(KINDS)), rng.randint(20, 120),
+                 rng.random() < 0.6, rng.uniform(0.0, 0.4), rng.random() < 0.3)
+                for i in range(count)]
+        results: dict = {}
+        cancels: dict = {}
+
+        def client(ident: str, kind: str, tokens: int) -> None:
+            path, body = KINDS[kind]
+            events: list = []
+            with httpx.stream("POST", f"{server.url}{path}", timeout=WAIT_S,
+                              json={**body, "max_tokens": tokens},
+                              headers={"x-request-id": ident}) as response:
+                if body.get("stream") and response.status_code == 200:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            data = line[6:]
+                            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+                else:
+                    response.read()
+                    events.append(response.json())
+            results[ident] = (response.status_code, events)
+
+        def canceller(ident: str, delay: float, twice: bool) -> None:
+            time.sleep(delay)  # (a seeded moment; nothing asserts on it)
+            answers = [cancel(server.url, ident)]
+            if twice:
+                answers.append(cancel(server.url, ident))
+            cancels[ident] = [a.status_code for a in answers]
+
+        threads = []
+        for ident, kind, tokens, cut, delay, twice in plan:
+            threads.append(threading.Thread(target=client, args=(ident, kind, tokens)))
+            if cut:
+                threads.append(threading.Thread(target=canceller, args=(ident, delay, twice)))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_S * 2)
+        assert not any(thread.is_alive() for thread in threads), "a client or cancel hung"
+        emu.clear_all_faults()
+        wait_for(lambda: executor.state == "Ready", WAIT_S, "Ready after the recoveries")
+        assert_all_back(service, executor)
+
+        outcomes = {ident: outcome_of(*results[ident]) for ident, *_ in plan}
+        for ident, codes in cancels.items():
+            assert set(codes) <= {202, 404}, (ident, codes)
+            if 202 in codes:  # told: it ends aborted, whatever its job answered
+                assert outcomes[ident] == "aborted", (ident, codes, results[ident])
+            if 202 not in codes:  # not in progress (not arrived yet, or ended): its own
+                assert outcomes[ident] != "aborted", (ident, codes)
+        for ident, *_ in plan:
+            if ident not in cancels:
+                assert outcomes[ident] != "aborted", ident
+        text = service.metrics.exposition().decode()
+        told = sum(1 for codes in cancels.values() if 202 in codes)
+        said = {outcome: metric_value(text, "calexec_admin_cancels_total",
+                                      {"outcome": outcome}) or 0
+                for outcome in ("cancelled", "repeated", "not_found", "ambiguous")}
+        assert said["ambiguous"] == 0
+        assert said["cancelled"] == told, (said, cancels)
+        assert said["cancelled"] + said["repeated"] == sum(
+            codes.count(202) for codes in cancels.values()), (said, cancels)
+        assert said["not_found"] == sum(codes.count(404) for codes in cancels.values())
+        succeeded = sum(metric_value(text, "calexec_api_requests_total",
+                                     {"outcome": "success", "route": route}) or 0
+                        for route in ("completions", "chat_completions"))
+        assert succeeded == sum(1 for o in outcomes.values() if o == "done"), outcomes
+        aborted_choices = metric_value(text, "calexec_request_failures_total",
+                                       {"code": "request.aborted"}) or 0
+        assert aborted_choices >= sum(1 for o in outcomes.values() if o == "aborted")
+    no_traceback(caplog)
+
+
+# ---- 3: a cancel of a request still reading its body sticks ---------------------------------
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """One HTTP/1.1 response with a ``content-length`` read off ``sock``: (status, JSON)."""
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1 << 16)
+        assert chunk, bytes(data)
+        data += chunk
+    head, _, rest = bytes(data).partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    body = bytearray(rest)
+    while len(body) < length:
+        chunk = sock.recv(1 << 16)
+        assert chunk, bytes(body)
+        body += chunk
+    return int(head.split()[1]), json.loads(bytes(body))
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/completions", {"prompt": PROMPT, "n": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "s", "schema": SCHEMA}}}),
+    ("/v1/responses", {"input": "hello"})], ids=["completions", "n2_stream", "grammar",
+                                                  "responses"])
+def test_a_cancel_of_a_request_still_reading_its_body_sticks(tmp_path, caplog, path, body):
+    """A client sends its headers (its ``X-Request-Id``) and half its body, then waits: a
+    cancel by that id answers 202 (it was 404: not in progress yet, and the request then ran
+    to its end), and once the body is whole the request answers 409 ``request.aborted``,
+    never admitted; counted once; a second cancel of it then is 404."""
+    caplog.set_level(logging.INFO)
+    with served(tmp_path) as (server, service, executor):
+        tokens = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        payload = json.dumps({**body, tokens: 4}).encode()
+        half = len(payload) // 2
+        with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: "
+                         f"application/json\r\nx-request-id: arriving-74\r\n"
+                         f"content-length: {len(payload)}\r\n\r\n".encode() + payload[:half])
+            answer = None
+            for _ in range(200):  # (bounded: until the route is reading the body)
+                answer = cancel(server.url, "arriving-74")
+                if answer.status_code != 404:
+                    break
+                time.sleep(0.05)
+            assert answer is not None and answer.status_code == 202, answer.text
+            assert answer.json()["x_request_id"] == "arriving-74"
+            sock.sendall(payload[half:])
+            status, answer_body = read_response(sock)
+        assert status == 409, answer_body
+        assert answer_body["error"]["code"] == "request.aborted", answer_body
+        assert "arriving-74" in answer_body["error"]["message"]
+        assert cancel(server.url, "arriving-74").status_code == 404
+        assert_all_back(service, executor)
+        text = service.metrics.exposition().decode()
+        assert metric_value(text, "calexec_request_failures_total",
+                            {"code": "request.aborted"}) == 1
+        assert metric_value(text, "calexec_requests_total", {"stream": "false"}) in (0, None)
+        assert metric_value(text, "calexec_requests_total", {"stream": "true"}) in (0, None)
     no_traceback(caplog)

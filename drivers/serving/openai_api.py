@@ -1689,9 +1689,14 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        # named first: an error answer carries the id an answer would have had
-        service = owner.service
+        # named first: an error answer carries the id an answer would have had; a cancel by
+        # it (or its x-request-id) sticks from now on (service.arriving)
         response_id = new_response_id(request, _CompletionShape.PREFIX)
+        with owner.service.arriving(request.scope, response_id):
+            return await _completions(request, response_id)
+
+    async def _completions(request: Request, response_id: str) -> Response:
+        service = owner.service
         try:
             body = await read(request, CompletionRequest, admits=True)
             refusal(body)
@@ -1746,11 +1751,12 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         response_id = new_response_id(request, _ChatShape.PREFIX)
-        try:
-            body = await read(request, ChatRequest, admits=True)
-        except Refusal as err:
-            return refused(err)
-        return await chat_answer(request, body, response_id)
+        with owner.service.arriving(request.scope, response_id):  # (a cancel sticks)
+            try:
+                body = await read(request, ChatRequest, admits=True)
+            except Refusal as err:
+                return refused(err)
+            return await chat_answer(request, body, response_id)
 
     async def chat_answer(request: Request, body: ChatRequest, response_id: str,
                           prompt_param: str = "messages", max_tokens_param: str | None = None
@@ -1925,6 +1931,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             if resume.timeout is not None:
                 admission.timeout = min(resume.timeout,
                                         admission.timeout or config.default_timeout_s)
+        told = service.arrived(request.scope)  # (then admitted: nothing awaited between)
+        if told is not None:  # an operator cancelled it before its admission
+            return fail(told, None)
         run, status, param = service.admit(admission)
         if run is None:
             return fail(status, param)
@@ -2052,6 +2061,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 limit = anyio.Semaphore(service.choice_concurrency)
                 # a drain waits for it between two choices, and a cancel finds it then
                 with service.open_request(state.id, state.x_request_id) as opened:
+                    told = service.arrived(request.scope)  # (a cancel before: none admitted)
+                    if told is not None and opened.cancelled is None:
+                        opened.cancelled = told
                     async with anyio.create_task_group() as tg:
                         for k, (admission, shape) in enumerate(specs):
                             tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope,

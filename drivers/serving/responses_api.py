@@ -873,9 +873,13 @@ def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        service = owner.service
         response_id = f"resp_{_hex()}"
         wire.name_request(request.scope, response_id)
+        with owner.service.arriving(request.scope, response_id):  # (a cancel sticks)
+            return await _responses(request, response_id)
+
+    async def _responses(request: Request, response_id: str) -> Response:
+        service = owner.service
         try:
             body = await chat.read(request, ResponsesRequest)
             unsupported(body)

@@ -39,7 +39,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any, TypeVar, cast
 
 import anyio
@@ -725,6 +725,10 @@ def aborted(ident: str, seq_id: int | None = None) -> Status:
                           "operator (POST /admin/cancel); not retried", seq_id=seq_id)
 
 
+#: the ASGI scope key of a request's arrival entry (``CompletionService.arriving``)
+ARRIVAL = "calexec.arrival"
+
+
 @attrs.define(eq=False)
 class OpenRequest:
     """A request of several choices in progress (``CompletionService.open_request``): its
@@ -952,6 +956,10 @@ class CompletionService:
         self._open_requests = 0
         #: the requests of several choices in progress (``open_request``), by ``id()``
         self._open: dict[int, OpenRequest] = {}
+        #: the requests arrived and not yet admitted (reading their body, compiling their
+        #: grammar: ``arriving``), by ``id()``: a cancel by their ids sticks (not counted by
+        #: a drain: it refuses them at admission)
+        self._arriving: dict[int, OpenRequest] = {}
         self._live: dict[int, RequestRun] = {}
         self._ids = itertools.count(1)
         # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
@@ -2177,6 +2185,34 @@ class CompletionService:
             self._open.pop(id(entry), None)
             self._open_requests -= 1
 
+    @contextlib.contextmanager
+    def arriving(self, scope: MutableMapping[str, Any], response_id: str
+                 ) -> Iterator[OpenRequest]:
+        """Around a completion route from its arrival (its response id named, its body still
+        to read, its grammar to compile): a cancel by its response id or ``x-request-id``
+        finds it (``OpenRequest.cancelled``), and its admission (:meth:`arrived`) refuses it
+        with that cancel's ``request.aborted``. Until stop 74 such a cancel answered 404 (not
+        in progress yet) and the request then ran. The entry rides in the ASGI ``scope``
+        (``ARRIVAL``) to the admission; it leaves the registry there or when the route ends."""
+        entry = OpenRequest(response_id, wire.request_id(scope))
+        self._arriving[id(entry)] = entry
+        scope[ARRIVAL] = entry
+        try:
+            yield entry
+        finally:
+            self._arriving.pop(id(entry), None)
+            scope.pop(ARRIVAL, None)
+
+    def arrived(self, scope: MutableMapping[str, Any]) -> Status | None:
+        """(The route, right before its admission, nothing awaited between the two: no cancel
+        falls in a gap.) The request leaves the arrivals; the ``request.aborted`` of a cancel
+        that found it there (its admission refused with it), else None."""
+        entry = scope.pop(ARRIVAL, None)
+        if entry is None:
+            return None
+        self._arriving.pop(id(entry), None)
+        return cast(OpenRequest, entry).cancelled
+
     def cancel(self, ident: str) -> CancelOutcome:
         """(The event loop.) An operator's cancel (``POST /admin/cancel/{id}``) of the request
         in progress whose response ``id`` or ``x-request-id`` is ``ident``: each of its runs
@@ -2190,7 +2226,7 @@ class CompletionService:
         nothing more."""
         runs = [run for run in list(self._live.values())
                 if ident in (run.response_id, run.x_request_id) and not run.finished]
-        opened = [entry for entry in list(self._open.values())
+        opened = [entry for entry in [*self._open.values(), *self._arriving.values()]
                   if ident in (entry.response_id, entry.x_request_id)]
         keys = ({run.response_id or f"#{run.request_id}" for run in runs}
                 | {entry.response_id or f"@{id(entry)}" for entry in opened})
@@ -2226,9 +2262,9 @@ class CompletionService:
             return self._cancel_counted(CancelOutcome("cancelled", named, x_request_id, told))
         if repeated:
             return self._cancel_counted(CancelOutcome("repeated", named, x_request_id))
-        if opened:  # between two choices (or its runs ended): no choice more is admitted
-            log.info("admin: cancelled request %s between its choices, x-request-id %s",
-                     fields.shown(ident, 128), x_request_id)
+        if opened:  # arriving, or between two choices: no choice (more) is admitted
+            log.info("admin: cancelled request %s before its admission or between its choices, "
+                     "x-request-id %s", fields.shown(ident, 128), x_request_id)
             return self._cancel_counted(CancelOutcome("cancelled", named, x_request_id))
         return self._cancel_counted(CancelOutcome("not_found"))
 
