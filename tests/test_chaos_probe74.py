@@ -662,3 +662,35 @@ def test_a_cancel_of_a_request_still_reading_its_body_sticks(tmp_path, caplog, p
         assert metric_value(text, "calexec_requests_total", {"stream": "false"}) in (0, None)
         assert metric_value(text, "calexec_requests_total", {"stream": "true"}) in (0, None)
     no_traceback(caplog)
+
+
+# ---- the soak with an operator's cancels --------------------------------------------------------
+def test_a_ci_sized_soak_with_cancels_passes_every_check(capsys):
+    """``calexec bench soak --cancels 0.3``: a third of the requests are streams an operator
+    cancels by their response id mid-stream, among every fault kind, disconnects and slow
+    readers; every check passes, ``cancels`` among them (each 202 ended its stream
+    ``request.aborted``, the server's counters match what the clients saw)."""
+    from calexec.drivers.tools.bench import soak
+    from calexec.drivers.tools.chaos import FAULTS
+
+    code = soak.run_cli(["bench", "soak", "--json", "--requests", "160", "--faults",
+                         str(len(FAULTS) + 1), "--clients", "6", "--seed", "74",
+                         "--decode-us", "0,2000", "--max-tokens", "3-10", "--progress-s", "600",
+                         "--max-seconds", "300", "--rss-bound-mib", "4096", "--cancels", "0.3"])
+    out, _err = capsys.readouterr()
+    report = json.loads(out)
+    failed = {name: c["detail"] for name, c in report["checks"].items() if not c["ok"]}
+    assert code == 0 and report["ok"], failed
+    assert "cancels" in report["checks"]
+    assert report["by_mode"].get("cancel", 0) >= 1 and report["cancels"].get("202", 0) >= 1
+    assert report["cancelled_streams"] == report["cancels"]["202"]
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.5", "nan", "x"])
+def test_a_bad_cancels_share_is_refused_naming_the_flag(capsys, value):
+    from calexec.drivers.tools.bench import soak
+
+    with pytest.raises(SystemExit) as exc:
+        soak.run_cli(["bench", "soak", "--cancels", value])
+    assert exc.value.code == 2
+    assert "--cancels" in capsys.readouterr().err

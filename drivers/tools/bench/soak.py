@@ -1,13 +1,17 @@
 """``calexec bench soak [--json] [--requests N] [--faults F] [--clients C] [--seed S]
 [--decode-us US[:SHARE][,US[:SHARE]...]] [--max-tokens LO-HI] [--max-seconds T]
-[--progress-s P] [--rss-bound-mib M]``: a long fault soak of the reference server (issue 28).
+[--progress-s P] [--rss-bound-mib M] [--cancels SHARE]``: a long fault soak of the reference server (issue 28).
 
 An in-process server (uvicorn on 127.0.0.1, an ephemeral port; the synthetic calbin on the
 bundled emulator, ``calexec bench faults``' executor: execution deadline 0.4 s, no escalation
 to Failed) serves ``--clients`` concurrent loopback clients until ``N`` requests were sent.
 Each request is, at random, a plain (non-streaming) completion, a stream read at once, a stream
 read by a slow reader (2-10 ms between two events) or a stream the client closes after its
-first events (a disconnect: the server must cancel it and free everything). Three quarters are
+first events (a disconnect: the server must cancel it and free everything); with ``--cancels
+SHARE`` that share of the requests are streams an operator cancels (``cancel``: after their
+first events the client sends ``POST /admin/cancel/{id}`` with the stream's response id and
+reads on: a 202 must end the stream with the ``request.aborted`` error event, a 404 (it ended
+first) with its own ``[DONE]``; the ``cancels`` check). Three quarters are
 greedy over a pool of prompts, checked against the numpy oracle; a quarter are seeded sampled
 requests from a small pool, checked against their fault-free answer taken before the first
 fault. The run goes through decode-latency phases (``--decode-us``, default ``0,2000``: half
@@ -58,7 +62,12 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
   per state, the device's free KV blocks, the KV coordinator's reserved tokens, sequence ids
   (all free, none withheld), jobs (queued, in flight, completing, pre-armed), requests active and
   releases pending;
-* ``threads``: no thread the run started is alive once the server and executor stopped.
+* ``threads``: no thread the run started is alive once the server and executor stopped;
+* ``cancels`` (``--cancels`` above 0 only): every cancel answered 202 or 404, a 202 ended its
+  stream ``request.aborted`` and a 404 its own way, never both and never another answer, and
+  the server's counters say what the clients saw: ``calexec_admin_cancels_total`` cancelled
+  (+ repeated) the 202s and not_found the 404s, ``calexec_request_failures_total``
+  ``request.aborted`` the aborted streams.
 
 The process runs with ``calexec serve``'s memory policy: glibc's mmap threshold pinned
 (drivers/memory.py; ``mmap_threshold_pinned`` in the report says whether it could be: False
@@ -101,6 +110,8 @@ if TYPE_CHECKING:  # (the server's modules need the [server] extra: imported by 
     from calexec.drivers.serving.service import ServerConfig
 
 MODES = ("plain", "stream", "slow", "disconnect")
+#: the mode of a request an operator cancels mid-stream (``--cancels``: drawn before ``MODES``)
+CANCEL_MODE = "cancel"
 #: the faults a request is not resumed from (drivers/serving/resume.py): the request whose job
 #: met one fails with that job's failure; everything else is resumed within the budget
 NOT_RESUMED = frozenset({"unknown_csr", "slice_fail"})
@@ -239,6 +250,8 @@ class Outcome:
     finish: str | None
     error: str | None = None
     message: str = ""
+    #: ``cancel`` mode: the HTTP status the cancel answered (None: none sent)
+    cancel: int | None = None
 
 
 @dataclass
@@ -256,6 +269,10 @@ class Tally:
     wrong_examples: list[dict[str, Any]] = field(default_factory=list)
     errors: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, kind
     error_examples: dict[str, str] = field(default_factory=dict)
+    #: ``cancel`` mode: cancels sent by the HTTP status they answered, streams that ended
+    #: ``request.aborted``
+    cancels: Counter = field(default_factory=Counter)
+    aborted: int = 0
 
     gate: int = -1  # the requests may not pass it (the fault schedule's pace); -1: total
     cond: threading.Condition = field(init=False)
@@ -296,7 +313,9 @@ def _read(http, body: dict[str, Any], mode: str, rng: random.Random) -> Outcome:
             return Outcome(list(choice["token_ids"]), choice.get("finish_reason"))
         tokens: list[int] = []
         finish = None
-        keep = rng.randint(1, max(1, body["max_tokens"] - 1)) if mode == "disconnect" else 0
+        keep = (rng.randint(1, max(1, body["max_tokens"] - 1))
+                if mode in ("disconnect", CANCEL_MODE) else 0)
+        told: int | None = None  # the cancel's HTTP status (``cancel`` mode), once sent
         with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
@@ -306,21 +325,37 @@ def _read(http, body: dict[str, Any], mode: str, rng: random.Random) -> Outcome:
                     continue
                 data = line[len("data: "):]
                 if data == "[DONE]":
-                    return Outcome(tokens, finish)
+                    if told == 202:  # told, yet it ended whole: never both
+                        return Outcome(tokens, None, "cancel 202 but [DONE]", "")
+                    return Outcome(tokens, finish, cancel=told)
                 event = json.loads(data)
                 if "error" in event:
-                    return Outcome(tokens, None, f"SSE error {event['error'].get('code')}",
-                                   str(event["error"].get("message", "")))
+                    code = event["error"].get("code")
+                    if told == 202 and code == "request.aborted":
+                        return Outcome(tokens, "cancelled", cancel=told)
+                    return Outcome(tokens, None, f"SSE error {code}",
+                                   str(event["error"].get("message", "")), cancel=told)
                 choice = event["choices"][0]
                 tokens += choice["token_ids"]
                 finish = choice.get("finish_reason") or finish
                 if mode == "disconnect" and len(tokens) >= keep:
                     return Outcome(tokens, "disconnected")  # leaving the block closes it
+                if mode == CANCEL_MODE and told is None and len(tokens) >= keep:
+                    told = _cancel(http, event["id"])
+                    if told not in (202, 404):
+                        return Outcome(tokens, None, f"cancel HTTP {told}", "", cancel=told)
                 if mode == "slow":
                     time.sleep(rng.uniform(*SLOW_READ_S))
         return Outcome(tokens, None, "stream ended without [DONE]", f"{len(tokens)} tokens")
     except Exception as err:  # noqa: BLE001 - a transport error is what the client saw
         return Outcome([], None, f"transport {type(err).__name__}", str(err)[:200])
+
+
+def _cancel(http, response_id: str) -> int:
+    """An operator's ``POST /admin/cancel/{id}`` of the stream ``response_id``: its status."""
+    from calexec.drivers.tools.chaos import AUTH
+
+    return http.post(f"/admin/cancel/{response_id}", headers=AUTH).status_code
 
 
 def request_timeout(max_tokens: int) -> float:
@@ -335,9 +370,11 @@ class _Traffic:
     """The request mix: greedy prompts checked against the oracle, sampled bodies against
     their fault-free reference."""
 
-    def __init__(self, seed: int, tokens: tuple[int, int]) -> None:
+    def __init__(self, seed: int, tokens: tuple[int, int], cancels: float = 0.0) -> None:
         rng = random.Random(seed)
         self.lo, self.hi = tokens
+        #: the share of requests an operator cancels mid-stream (``--cancels``)
+        self.cancels = cancels
         #: every request's ``timeout`` (and its client's bound): :func:`request_timeout`
         self.timeout = request_timeout(self.hi)
         self.prompts = [tuple(rng.randrange(1, 150000)
@@ -364,7 +401,7 @@ class _Traffic:
 
 def _wrong(outcome: Outcome, expected: list[int], max_tokens: int) -> bool:
     tokens = outcome.tokens
-    if outcome.finish == "disconnected":
+    if outcome.finish in ("disconnected", "cancelled"):
         return tokens != expected[:len(tokens)]
     return answer_wrong(tokens, outcome.finish, expected, max_tokens)
 
@@ -377,7 +414,9 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally
     rng = random.Random(seed * 1000 + index)
     with httpx.Client(base_url=url, timeout=traffic.timeout) as http:
         while tally.take(stop, deadline):
-            mode = MODES[rng.randrange(len(MODES))]
+            # (drawn only with --cancels: a run without keeps its seeded schedule)
+            mode = (CANCEL_MODE if traffic.cancels and rng.random() < traffic.cancels
+                    else MODES[rng.randrange(len(MODES))])
             body, expected = traffic.pick(rng)
             body["stream"] = mode != "plain"
             started = current[index] = time.monotonic()
@@ -398,11 +437,15 @@ def _count(tally: Tally, outcome: Outcome, body: dict[str, Any], mode: str,
     with tally.mu:
         tally.finished += 1
         tally.by_mode[mode] += 1
+        if outcome.cancel is not None:
+            tally.cancels[str(outcome.cancel)] += 1
+        if outcome.finish == "cancelled":
+            tally.aborted += 1
         if outcome.error is not None:
             tally.errors.append((started, time.monotonic(), outcome.error))
             tally.error_examples.setdefault(outcome.error, outcome.message)
             return
-        if outcome.finish != "disconnected":
+        if outcome.finish not in ("disconnected", "cancelled"):
             tally.completed += 1
         if wrong:
             tally.wrong += 1
@@ -615,6 +658,13 @@ class _Monitor(threading.Thread):
                       file=sys.stderr, flush=True)
 
 
+def _sample_sum(registry, name: str, labels: dict[str, str]) -> float:
+    """The sum of ``name``'s samples in ``registry`` whose labels include ``labels``."""
+    return sum(sample.value for family in registry.collect() for sample in family.samples
+               if sample.name == name
+               and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
 def soak_server_config(timeout: float) -> ServerConfig:
     """The soak server's ``ServerConfig``: its admin token, and a ``max_timeout_s`` (600 s by
     default) that takes the traffic's ``timeout`` (:func:`request_timeout`)."""
@@ -629,10 +679,12 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
              phases: list[Phase] | None = None, max_tokens: tuple[int, int] = (4, 8),
              max_seconds: float = 3600.0, progress_s: float = 30.0,
              rss_bound_mib: float = 64.0, hooks: Hooks | None = None,
-             native_relay: bool = False, inflight_capacity: int = 1) -> dict[str, Any]:
+             native_relay: bool = False, inflight_capacity: int = 1,
+             cancels: float = 0.0) -> dict[str, Any]:
     """One soak; the report (module docstring), ``ok`` False when a check failed.
     ``native_relay``: the executor's submitter on its native relay (``--native-relay``);
-    ``inflight_capacity`` 2: Phase B, two jobs on the device (``--inflight-capacity``)."""
+    ``inflight_capacity`` 2: Phase B, two jobs on the device (``--inflight-capacity``);
+    ``cancels``: the share of requests an operator cancels mid-stream (``--cancels``)."""
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
@@ -652,7 +704,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     points = {name: (point, rc) for name, point, rc in FAULTS}
     kinds = [name for name, _, _ in FAULTS] + ["map_fail"]
     rng = random.Random(seed)
-    traffic = _Traffic(seed, max_tokens)
+    traffic = _Traffic(seed, max_tokens, cancels)
     def due(i: int) -> int:  # fault i is armed once this many requests were sent
         return (i + 1) * requests // (faults + 1)
     # the traffic is held at fault i's step until it is armed, then runs on to the next step:
@@ -713,6 +765,10 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             f"wrong {tally.wrong} errors {len(tally.errors)} rss "
             f"{(rss_bytes() or 0) >> 20} MiB"))
         nudges: Counter = Counter()  # the nudge requests (``_settle``) by HTTP status
+        # the server's count of the cancels and of the requests they ended (read at the end)
+        counted_cancels: dict[str, float] = dict.fromkeys(
+            ("cancelled", "repeated", "not_found", "ambiguous"), 0.0)
+        counted_aborted = 0.0
 
         def nudge(admin) -> None:
             r = admin.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1,
@@ -877,6 +933,12 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                            for cause in ("device", "internal", "transient", "unknown",
                                          "lifecycle", "unavailable", "generation_replaced")}
                 ahead = resumes("calexec_decode_steps_ahead_total") or 0.0
+                counted_cancels = {outcome: _sample_sum(metrics, "calexec_admin_cancels_total",
+                                                        {"outcome": outcome})
+                                   for outcome in ("cancelled", "repeated", "not_found",
+                                                   "ambiguous")}
+                counted_aborted = _sample_sum(metrics, "calexec_request_failures_total",
+                                              {"code": "request.aborted"})
                 prearmed = resumes("calexec_decode_steps_total", {"prearmed": "true"}) or 0.0
         finally:
             stop.set()
@@ -953,11 +1015,25 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "server": {"ok": not problems and lifecycle_end == "Ready",
                    "detail": f"lifecycle {lifecycle_end}; {problems}"},
     }
+    if cancels > 0:
+        told, missed = tally.cancels.get("202", 0), tally.cancels.get("404", 0)
+        cancel_errors = sum(1 for _, _, kind in tally.errors if kind.startswith("cancel "))
+        checks["cancels"] = {
+            "ok": (counted_cancels["cancelled"] + counted_cancels["repeated"] == told
+                   and counted_cancels["not_found"] == missed
+                   and counted_cancels["ambiguous"] == 0 and tally.aborted == told
+                   and counted_aborted == tally.aborted and not cancel_errors
+                   and set(tally.cancels) <= {"202", "404"}),
+            "detail": f"cancels sent by answer {dict(tally.cancels)}, streams aborted "
+                      f"{tally.aborted}; the server counted {counted_cancels}, "
+                      f"request.aborted {counted_aborted:g}; {cancel_errors} a 202 whose "
+                      "stream ended otherwise"}
     return {
         "ok": all(c["ok"] for c in checks.values()),
         "checks": checks,
         "requests": requests, "requests_finished": tally.finished,
         "completed": tally.completed, "by_mode": dict(tally.by_mode),
+        "cancels": dict(tally.cancels), "cancelled_streams": tally.aborted,
         "clients": clients, "seed": seed, "max_tokens": list(max_tokens),
         "phases": [{"decode_us": p.decode_us, "share": round(p.share, 4),
                     "until_request": b,
@@ -1079,6 +1155,17 @@ def main(argv: list[str]) -> int:
     return run_cli(argv)
 
 
+def _share(text: str) -> float:
+    """``--cancels``: a share in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:  # (nan too)
+        raise argparse.ArgumentTypeError(f"--cancels={text[:40]!r}: a share in [0, 1]")
+    return value
+
+
 def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     """``main`` with the test seams (tests/test_soak.py)."""
     parser = cliargs.parser("calexec bench soak", __doc__)
@@ -1106,6 +1193,9 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
                         help="the executor's submitter on its native relay "
                              "(ExecutorConfig.native_relay, serve --native-relay)")
     cliargs.add_inflight_capacity(parser)
+    parser.add_argument("--cancels", type=_share, default=0.0,
+                        help="share of the requests (0-1) an operator cancels mid-stream by "
+                             "POST /admin/cancel/{id} (the cancels check)")
     args = parser.parse_args(argv[2:])
     try:
         phases = parse_phases(args.decode_us)
@@ -1119,7 +1209,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,
                           args.max_seconds, args.progress_s, args.rss_bound_mib, hooks,
-                          args.native_relay, args.inflight_capacity)
+                          args.native_relay, args.inflight_capacity, args.cancels)
     except SoakError as exc:
         print(f"calexec bench soak: {exc}", file=sys.stderr)
         return 1
