@@ -694,3 +694,68 @@ def test_a_bad_cancels_share_is_refused_naming_the_flag(capsys, value):
         soak.run_cli(["bench", "soak", "--cancels", value])
     assert exc.value.code == 2
     assert "--cancels" in capsys.readouterr().err
+
+
+def test_a_stream_cancelled_while_a_model_switch_replaces_its_generation(tmp_path, caplog):
+    """A stream past its first token, its next job held, a model switch under way (its golden
+    waits for the device): the cancel ends the stream with the ``request.aborted`` error
+    event (not the switch's knock-on, never resumed on the new generation), the switch
+    completes, everything comes back and the new model serves."""
+    caplog.set_level(logging.INFO)
+    with served(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        stream = Streamer(server.url, "/v1/completions",
+                          {"prompt": PROMPT, "max_tokens": 40, "stream": True}, "switch-s-74")
+        step_until_first_event(emu, stream)
+        wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the next job held")
+        reload: list = []
+        switch = threading.Thread(target=lambda: reload.append(httpx.post(
+            f"{server.url}/admin/reload", json={"calbin": executor.gen.calbin_path},
+            headers=AUTH, timeout=WAIT_S)))
+        switch.start()
+        answer = cancel(server.url, "switch-s-74")
+        assert answer.status_code == 202, answer.text
+        stream.join()
+        assert stream.outcome() == "aborted", stream.events
+        assert emu.set_stepped(False) == 0
+        switch.join(WAIT_S)
+        assert not switch.is_alive() and reload[0].status_code == 200, reload[0].text
+        wait_for(lambda: executor.state == "Ready", WAIT_S, "Ready on the new model")
+        assert_all_back(service, executor)
+        text = service.metrics.exposition().decode()
+        assert metric_value(text, "calexec_request_failures_total",
+                            {"code": "request.aborted"}) == 1
+        assert failures(service) == 1
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 3},
+                        timeout=WAIT_S)
+        assert ok.json()["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
+    no_traceback(caplog)
+
+
+def test_a_cancel_of_a_stalled_stream_as_the_drains_grace_ends(tmp_path, caplog):
+    """A client that stopped reading, a drain with a short grace: the cancel and the grace's
+    cut of the stalled send race; the request ends once (counted once), the connection
+    closes, the drain ends Stopped."""
+    caplog.set_level(logging.INFO)
+    with served(tmp_path, serve_like=True) as (server, service, executor):
+        sock = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 30000,
+                                            "stream": True, "timeout": 600})
+        try:
+            wait_for(lambda: metric_value(service.metrics.exposition().decode(),
+                                          "calexec_responses_send_waiting") == 1,
+                     WAIT_S, "the server's send waiting for the client")
+            (ident,) = {run.response_id for run in service.live_requests()}
+            drain = httpx.post(f"{server.url}/admin/drain?grace=0", headers=AUTH,
+                               timeout=WAIT_S)
+            assert drain.status_code == 202, drain.text
+            answer = cancel(server.url, ident)
+            assert answer.status_code in (202, 404), answer.text
+            wait_for(lambda: executor.state == "Stopped", WAIT_S, "the drain ended")
+            assert_all_back(service, executor, device=False)
+            _raw, ended = read_until_closed(sock)
+            assert ended in ("eof", "reset")
+        finally:
+            sock.close()
+        assert failures(service) == 1
+    no_traceback(caplog)
