@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import socket
@@ -489,6 +490,10 @@ KINDS = {
                                                              "json_schema": {"name": "s",
                                                                              "schema": SCHEMA}}}),
     "prompt_list": ("/v1/completions", {"prompt": [PROMPT, [9, 10]]}),
+    "chat_tools_stream": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hello"}], "stream": True,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}],
+        "tool_choice": "required"}),
 }
 
 
@@ -513,17 +518,24 @@ def outcome_of(status: int, events: list) -> str:
     return "done"
 
 
-@pytest.mark.parametrize("seed", [74, 740])
-def test_a_seeded_schedule_of_cancels_faults_and_kinds(tmp_path, caplog, seed):
-    """Requests of every kind (streams, ``n`` 2 streams, grammar, prompt lists) on a free
-    running device whose jobs fault at a seeded rate (recoveries, resumes), cancelled at
-    seeded moments (some twice, from two clients): every answer one documented shape; a 202
+#: the schedules' seeds; CHAOS74_SEEDS=1,2,3... runs more
+SEEDS = [int(x) for x in os.environ.get("CHAOS74_SEEDS", "74,740").split(",")]
+
+
+@pytest.mark.parametrize("capacity", [1, 2], ids=["phase_a", "phase_b"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_seeded_schedule_of_cancels_faults_and_kinds(tmp_path, caplog, seed, capacity):
+    """Requests of every kind (streams, ``n`` 2 streams, grammar, tools, prompt lists) on a
+    free running device (one job on it, or two: Phase B) whose jobs fault at a seeded rate
+    (recoveries, resumes), cancelled at seeded moments (some twice, from two clients):
+    every answer one documented shape; a 202
     ``cancelled`` ends its request ``request.aborted``; the cancel and request counters say
     what the clients saw; everything back."""
     caplog.set_level(logging.INFO)
     rng = random.Random(seed)
     count = 14
-    with served(tmp_path, max_sequences=4) as (server, service, executor):
+    with served(tmp_path, {"inflight_capacity": capacity}, max_sequences=4) as (
+            server, service, executor):
         emu = executor.device.emu
         # a fault every k-th job (a few recoveries, under the escalation's 5 a minute)
         every = rng.randint(300, 420)

@@ -2013,6 +2013,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             if resume.id is not None:
                 response_id = resume.id
                 wire.name_request(request.scope, resume.id)  # the id the first replica started
+                service.arrival_renamed(request.scope, resume.id)
             if resume.timeout is not None:
                 first_timeout = specs[0][0].timeout or config.default_timeout_s
                 specs[0] = (attrs.evolve(specs[0][0], timeout=min(resume.timeout,

@@ -2203,6 +2203,14 @@ class CompletionService:
             self._arriving.pop(id(entry), None)
             scope.pop(ARRIVAL, None)
 
+    @staticmethod
+    def arrival_renamed(scope: MutableMapping[str, Any], response_id: str) -> None:
+        """The route took another response id (a fleet resume's) before its admission: the
+        arrival entry names it (else a cancel by the ``x-request-id`` found two ids then)."""
+        entry = scope.get(ARRIVAL)
+        if isinstance(entry, OpenRequest):
+            entry.response_id = response_id
+
     def arrived(self, scope: MutableMapping[str, Any]) -> Status | None:
         """(The route, right before its admission, nothing awaited between the two: no cancel
         falls in a gap.) The request leaves the arrivals; the ``request.aborted`` of a cancel
