@@ -413,14 +413,22 @@ def test_a_cancel_with_two_jobs_on_the_device_leaves_the_other(tmp_path, caplog)
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
+GRAMMARS = {"json_schema": {"response_format": {"type": "json_schema", "json_schema": {
+                 "name": "s", "schema": SCHEMA}}},
+            "tools": {"tools": [{"type": "function", "function": {"name": "f",
+                                                                  "parameters": SCHEMA}}],
+                      "tool_choice": "required"}}
+
+
+@pytest.mark.parametrize("grammar", sorted(GRAMMARS))
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_grammar_constrained_request_is_cancelled(tmp_path, caplog, stream):
-    """A chat with ``response_format`` json_schema, its job held: cancelled, 409 (or its
-    error event), everything back, and a grammar request after it is served."""
+def test_a_grammar_constrained_request_is_cancelled(tmp_path, caplog, stream, grammar):
+    """A chat with ``response_format`` json_schema or required ``tools``, its job held:
+    cancelled, 409 (or its error event), everything back, and a grammar request after it is
+    served."""
     caplog.set_level(logging.INFO)
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40,
-            "stream": stream, "response_format": {"type": "json_schema", "json_schema": {
-                "name": "s", "schema": SCHEMA}}}
+            "stream": stream, **GRAMMARS[grammar]}
     with served(tmp_path) as (server, service, executor):
         emu = executor.device.emu
         assert emu.set_stepped(True) == 0
