@@ -74,8 +74,11 @@ def cancel(url: str, ident: str) -> httpx.Response:
 
 
 def idle(service) -> bool:
+    """No request in progress anywhere (the in-progress registry: runs, requests of several
+    choices, arrivals) and every sequence id back."""
     return (service.active == 0 and service.sequences.in_use == 0
-            and service.releases_pending == 0 and not service.live_requests())
+            and service.releases_pending == 0 and not service.live_requests()
+            and service.open_requests == 0 and service.arrivals == 0)
 
 
 def assert_all_back(service, executor, device: bool = True) -> None:
@@ -124,7 +127,10 @@ def failures(service) -> float:
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/completions", {"prompt": [1, 2, 3]}),
     ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}),
-    ("/v1/responses", {"input": "hello"})], ids=["completions", "n2", "responses"])
+    ("/v1/completions", {"prompt": [1, 2, 3], "stop": ["never said"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}),
+    ("/v1/responses", {"input": "hello"})],
+    ids=["completions", "n2", "plain_path", "chat", "responses"])
 def test_a_cancel_of_a_stream_blocked_on_its_send_cuts_it_and_frees_it_at_once(tmp_path, caplog,
                                                                                path, body):
     """A raw client with a small receive buffer that never reads: the server's send waits for

@@ -2203,6 +2203,16 @@ class CompletionService:
             self._arriving.pop(id(entry), None)
             scope.pop(ARRIVAL, None)
 
+    @property
+    def arrivals(self) -> int:
+        """Requests arrived and not admitted yet (``arriving``): 0 when the server is idle."""
+        return len(self._arriving)
+
+    @property
+    def open_requests(self) -> int:
+        """Requests of several choices in progress (``open_request``): 0 when idle."""
+        return len(self._open)
+
     @staticmethod
     def arrival_renamed(scope: MutableMapping[str, Any], response_id: str) -> None:
         """The route took another response id (a fleet resume's) before its admission: the
