@@ -785,3 +785,34 @@ def test_a_cancel_of_a_stalled_stream_as_the_drains_grace_ends(tmp_path, caplog)
             sock.close()
         assert failures(service) == 1
     no_traceback(caplog)
+
+
+def test_a_cancel_of_a_waiting_request_raced_with_a_drain(tmp_path, caplog):
+    """max_sequences 1, its id held: a request waits in the queue; a drain starts (it
+    refuses the requests still waiting) and a cancel follows at once: the client gets one
+    answer, the drain's 503 or the cancel's 409, counted once; the queue is empty."""
+    caplog.set_level(logging.INFO)
+    with served(tmp_path, max_sequences=1) as (server, service, executor):
+        held = service.sequences.acquire()
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
+            headers={"x-request-id": "queued-74"}, timeout=WAIT_S)))
+        thread.start()
+        wait_for(lambda: service.admission.waiting == 1, WAIT_S, "the request waiting")
+        drain = httpx.post(f"{server.url}/admin/drain?grace=30", headers=AUTH, timeout=WAIT_S)
+        assert drain.status_code == 202, drain.text
+        answer = cancel(server.url, "queued-74")
+        assert answer.status_code in (202, 404), answer.text
+        thread.join(WAIT_S)
+        response = out[0]
+        if answer.status_code == 202:
+            assert aborted(response), response.text
+        else:
+            assert response.status_code == 503, response.text
+        assert service.admission.waiting == 0
+        service.sequences.release(held)
+        wait_for(lambda: executor.state == "Stopped", WAIT_S, "the drain ended")
+        assert_all_back(service, executor, device=False)
+        assert failures(service) == 1
+    no_traceback(caplog)
