@@ -13,6 +13,7 @@ what the clients saw. Nothing asserts a duration: every wait is a bounded poll.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -816,3 +817,50 @@ def test_a_cancel_of_a_waiting_request_raced_with_a_drain(tmp_path, caplog):
         assert_all_back(service, executor, device=False)
         assert failures(service) == 1
     no_traceback(caplog)
+
+
+# ---- wire.SendCut on its own ------------------------------------------------------------------
+def test_send_cut_cuts_a_waiting_send_at_once_and_bounds_later_ones():
+    """``wire.SendCut.cut``: a send waiting for its client is cancelled at once; with no send
+    waiting the bound drops to ``slack`` from now and nothing is cut yet; a cut asked before
+    the response's sends began applies when they begin."""
+    import anyio
+
+    from calexec.drivers.serving import wire
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def blocked_send(_message) -> None:  # a client that stopped reading
+            await never.wait()
+
+        bounds = wire.SendBounds()
+        # no send waiting: bounded, not cut
+        with anyio.CancelScope() as idle_scope:
+            guard = bounds.guard(idle_scope, time.monotonic() + 600)
+            handle = wire.SendCut()
+            handle.attach(guard)
+            handle.cut(600.0)
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not idle_scope.cancel_called and not guard.expired
+            guard.close()
+        # a send waiting: cut at once
+        with anyio.CancelScope() as scope:
+            guard = bounds.guard(scope, time.monotonic() + 600)
+            handle = wire.SendCut()
+            handle.attach(guard)
+            asyncio.get_running_loop().call_soon(handle.cut, 600.0)
+            await guard.send(blocked_send, {"type": "http.response.body"})
+        assert scope.cancelled_caught
+        guard.close()
+        # asked before the sends began: applied at attach (a waiting send is then bounded)
+        with anyio.CancelScope() as early:
+            handle = wire.SendCut()
+            handle.cut(0.0)
+            guard = bounds.guard(early, time.monotonic() + 600)
+            handle.attach(guard)
+            await guard.send(blocked_send, {"type": "http.response.body"})
+        assert early.cancelled_caught
+        guard.close()
+    asyncio.run(main())
