@@ -603,7 +603,7 @@ class RequestRun:
     scope: anyio.CancelScope | None = None
     #: a streamed answer's ``wire.SendCut`` (the route sets it): a cancel cuts its send to a
     #: client that stopped reading at once, not at the request's deadline + slack
-    send_cut: Any = None
+    send_cut: wire.SendCut | None = None
 
     def __attrs_post_init__(self) -> None:
         self.burst_room = threading.Condition(self.mu)
