@@ -363,24 +363,44 @@ NUMBER_TEXT = re.compile(r"\s*[+-]?(([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?
                          r"|inf|infinity|nan)\s*", re.IGNORECASE)
 
 
-def _integer(text: str) -> int:
-    """``text`` as an int, or the one-line refusal naming it (argparse would say ``invalid
-    positive_int value``, the name of this module's function, not what was wrong)."""
+def ascii_integer(text: str) -> int | None:
+    """``text`` as an int when it is one as :data:`INTEGER_TEXT` writes it, else None: what a
+    value a command reads itself (a part of a comma list, ``LO-HI``, an environment variable)
+    goes through, so that it refuses ``1_0`` and ``٣`` as every flag does (until stop 74
+    ``bench soak --max-tokens 1_0-2_0`` ran 10 to 20 tokens)."""
     if not INTEGER_TEXT.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        return None
     try:
         return int(text)
     except ValueError:  # (more digits than int() reads: 4300)
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        return None
 
 
-def _number(text: str) -> float:
+def ascii_number(text: str) -> float | None:
+    """``text`` as a float when it is one as :data:`NUMBER_TEXT` writes it (``inf`` and
+    ``nan`` included: the caller's range refuses them naming its flag), else None."""
     if not NUMBER_TEXT.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+        return None
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        return None
+
+
+def _integer(text: str) -> int:
+    """``text`` as an int, or the one-line refusal naming it (argparse would say ``invalid
+    positive_int value``, the name of this module's function, not what was wrong)."""
+    value = ascii_integer(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+    return value
+
+
+def _number(text: str) -> float:
+    value = ascii_number(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    return value
 
 
 def port(text: str) -> int:
@@ -1021,11 +1041,8 @@ def progress_s() -> float:
     text = os.environ.get(PROGRESS_ENV, "").strip()
     if not text:
         return PROGRESS_S
-    try:
-        value = float(text) if NUMBER_TEXT.fullmatch(text) else float("nan")
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value <= MAX_SECONDS:  # (NaN fails both)
+    value = ascii_number(text)
+    if value is None or not 0 <= value <= MAX_SECONDS:  # (NaN fails both)
         raise UserError(f"{PROGRESS_ENV}={text!r}: must be a number of seconds >= 0 and at most "
                         f"{MAX_SECONDS:g}")
     return value

@@ -653,11 +653,8 @@ def _seconds(flag: str, text: str) -> float:
     """``text`` as seconds > 0 and at most ``cliargs.MAX_SECONDS``, or a ``ValueError`` naming
     ``flag`` and ``text`` as given (0 and 1e400 were echoed converted, as 0.0 and inf; a word
     was argparse's 'invalid float value'), as ``--fail-under`` names its value."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value <= cliargs.MAX_SECONDS:  # (nan too; 1e30 overflowed the first wait)
+    value = cliargs.ascii_number(text)  # (float() also reads "1_0" and "٣")
+    if value is None or not 0 < value <= cliargs.MAX_SECONDS:  # (nan; 1e30 overflowed a wait)
         raise ValueError(f"{flag}={_as_given(text)}: must be a number of seconds > 0 and at "
                          f"most {cliargs.MAX_SECONDS:g}")
     return value
@@ -680,11 +677,11 @@ def main(argv: list[str] | None = None) -> int:
             args.fail_under = _percentage("--fail-under", args.fail_under)
         if not cwd.is_dir():
             raise ValueError(f"--cwd={args.cwd!r}: not a directory")
-        try:
-            error_codes = {int(c) for c in args.error_codes.split(",") if c.strip()}
-        except ValueError:
+        codes = [cliargs.ascii_integer(c) for c in args.error_codes.split(",") if c.strip()]
+        error_codes = {c for c in codes if c is not None}
+        if None in codes:  # (ASCII digits: int() also reads "1_0" and "٣")
             raise ValueError(f"--error-codes={args.error_codes!r}: expected exit codes separated "
-                             f"by commas (e.g. 3,4,5)") from None
+                             f"by commas (e.g. 3,4,5)")
         for code in sorted(error_codes):  # (a code no run ends with was taken and never matched)
             if code == 0:
                 raise ValueError(f"--error-codes={args.error_codes!r}: 0 is a passing run (the "

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from calexec import cliargs
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
@@ -108,10 +109,8 @@ def watchdog_s(given: float | None = None) -> float:
     text = os.environ.get(WATCHDOG_ENV, "").strip()
     if not text:
         return 60.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    given_text = cliargs.ascii_number(text)  # (float() also reads "1_0" and "٣")
+    value = math.nan if given_text is None else given_text
     if not (math.isfinite(value) and value > 0) or value > threading.TIMEOUT_MAX:
         raise ValueError(f"{WATCHDOG_ENV}={text!r}: the explorer's real-time watchdog, the "
                          f"seconds a schedule may go without any scheduling point before it "

@@ -35,6 +35,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from calexec import cliargs
+
 #: the largest frame either half reads (a request of a few hundred ids is far below it)
 MAX_FRAME = 1 << 20
 #: the API process's own bound on its life (s) when nobody closes its stdin
@@ -236,11 +238,10 @@ def create_app(path: str) -> Any:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="calexec-bench-api-floor", description=__doc__)
     parser.add_argument("--socket", required=True, help="the engine's Unix socket")
-    parser.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+    # (calexec's seconds: float() also read "1_0" as 10 and "٣" as 3 until stop 74)
+    parser.add_argument("--max-seconds", type=cliargs.seconds, default=DEFAULT_MAX_SECONDS,
                         help=f"exit after this long at the latest (default {DEFAULT_MAX_SECONDS:g})")
     args = parser.parse_args(argv)
-    if not args.max_seconds > 0:
-        parser.error(f"--max-seconds={args.max_seconds}: must be > 0")
     import asyncio
 
     import uvicorn

@@ -1411,10 +1411,11 @@ def decode_profiles(values: Sequence[str] | None) -> list[int]:
     for value in values:
         for item in value.split(","):
             text = item.strip()
-            try:
-                us = int(text)
-            except ValueError:
-                raise ValueError(f"--decode-us={text!r}: not an integer number of us") from None
+            given = cliargs.ascii_integer(text)  # (int() also reads "1_0" and "٣")
+            if given is None:
+                raise ValueError(f"--decode-us={text!r}: not an integer number of us in ASCII "
+                                 f"digits")
+            us = given
             if not 1 <= us <= MAX_DECODE_US:
                 raise ValueError(f"--decode-us={us}: must be in 1..{MAX_DECODE_US} us")
             if us not in out:

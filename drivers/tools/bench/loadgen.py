@@ -36,7 +36,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
 
-from calexec.cliargs import wait_s
+from calexec.cliargs import non_negative_int, positive_int, wait_s
 
 _TIMEOUT_S = 60.0
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -247,30 +247,19 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool
     return out
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="calexec-bench-loadgen", description=__doc__)
     parser.add_argument("--url", required=True)
-    parser.add_argument("--requests", type=_positive, required=True)
-    parser.add_argument("--concurrency", type=_positive, required=True)
-    parser.add_argument("--max-tokens", type=_positive, required=True)
+    # (calexec's ASCII integers: int() also read "1_0" as 10 and "٣" as 3 until stop 74)
+    parser.add_argument("--requests", type=positive_int, required=True)
+    parser.add_argument("--concurrency", type=positive_int, required=True)
+    parser.add_argument("--max-tokens", type=positive_int, required=True)
     parser.add_argument("--stream", action="store_true")
-    parser.add_argument("--warmup", type=int, default=0)
+    parser.add_argument("--warmup", type=non_negative_int, default=0)
     parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0])
     parser.add_argument("--raw", action="store_true",
                         help="also print the elapsed time and every request's latency")
     args = parser.parse_args(argv)
-    if args.warmup < 0:
-        parser.error(f"--warmup={args.warmup}: must be >= 0")
     try:
         result = run(args.url, args.requests, args.concurrency, args.max_tokens, args.stream,
                      args.warmup, args.client, args.raw)

@@ -711,10 +711,10 @@ def concurrency_levels(text: str) -> list[int]:
     """``--concurrency`` as a comma list of levels (argparse type: one line naming the value)."""
     out: list[int] = []
     for item in text.split(","):
-        try:
-            level = int(item.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer") from None
+        given = cliargs.ascii_integer(item)  # (int() also reads "1_0" and "٣")
+        if given is None:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer")
+        level = given
         if not 1 <= level <= 256:
             raise argparse.ArgumentTypeError(f"{level} is not in 1..256")
         if level not in out:

@@ -194,10 +194,14 @@ def parse_phases(text: str) -> list[Phase]:
     phases: list[tuple[int, float]] = []
     for part in text.split(","):
         us, _, share = part.strip().partition(":")
-        try:
-            decode_us, weight = int(us), float(share) if share else 1.0
-        except ValueError:
-            raise ValueError(f"--decode-us={text!r}: {part!r} is not US or US:SHARE") from None
+        # (ASCII digits, as every number of the command line: Python's int() and float() read
+        # "1_0" as 10 and "٣" as 3, which were taken until stop 74)
+        given_us = cliargs.ascii_integer(us)
+        given_share = cliargs.ascii_number(share) if share else 1.0
+        if given_us is None or given_share is None:
+            raise ValueError(f"--decode-us={text!r}: {part!r} is not US or US:SHARE (US an "
+                             "integer of us in ASCII digits, SHARE a number > 0)")
+        decode_us, weight = given_us, given_share
         if decode_us < 0 or decode_us > 1_000_000:
             raise ValueError(f"--decode-us={text!r}: {decode_us} is outside 0..1000000 us")
         if not 0 < weight < math.inf:  # (nan fails both; inf would make every share nan)
@@ -215,10 +219,13 @@ def parse_range(text: str) -> tuple[int, int]:
     for more than the model's context holds is refused by the server: the soak would start it,
     then end at its first request)."""
     lo, dash, hi = text.partition("-")
-    try:  # (a dash with nothing after it, '4-', was taken for 4 alone, not refused)
-        pair = (int(lo), int(hi if dash else lo))
-    except ValueError:
-        raise ValueError(f"--max-tokens={text!r}: not N or LO-HI") from None
+    # (a dash with nothing after it, '4-', was taken for 4 alone, not refused; "1_0-2_0" and
+    # "٣" were read by int() as 10-20 and 3 until stop 74)
+    low, high = cliargs.ascii_integer(lo), cliargs.ascii_integer(hi if dash else lo)
+    if low is None or high is None:
+        raise ValueError(f"--max-tokens={text!r}: not N or LO-HI (integers in ASCII digits, "
+                         f"e.g. 4-8)")
+    pair = (low, high)
     if not 1 <= pair[0] <= pair[1]:
         raise ValueError(f"--max-tokens={text!r}: needs 1 <= LO <= HI")
     if pair[1] > MAX_TOKENS:
@@ -1115,10 +1122,9 @@ def _readable(report: dict[str, Any]) -> str:
 def _mib_bound(text: str) -> float:
     """argparse type of ``--rss-bound-mib``: a number >= 0 (inf: no bound); nan compares false
     with everything, so it would pass the check below it and fail the run's rss check."""
-    try:
-        value = float(text)
-    except ValueError:  # (argparse would say "invalid _mib_bound value", this function's name)
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = cliargs.ascii_number(text)  # (ASCII digits: float() also reads "1_0" and "٣")
+    if value is None:  # (argparse would say "invalid _mib_bound value", this function's name)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
