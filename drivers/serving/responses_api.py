@@ -366,6 +366,8 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
         return [*messages, {"role": "user", "content": body.input}]
     if not body.input:
         raise refuse("input=[]: at least one item", "input")
+    calls: set[str] = set()  # the call_id of every function_call item
+    outputs: list[tuple[int, str]] = []  # (index, call_id) of every function_call_output
     for i, item in enumerate(body.input):
         kind = item.get("type", "message" if "role" in item else None)
         keys = ITEM_KEYS.get(kind) if isinstance(kind, str) else None
@@ -398,6 +400,7 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
                              f"{', '.join(INPUT_ROLES)}", f"input.{i}.role")
             messages.append({"role": role, "content": _content(item, i)})
         elif kind == "function_call":
+            calls.add(_string(item, "call_id", i))
             call = {"id": _string(item, "call_id", i), "type": "function",
                     "function": {"name": _string(item, "name", i),
                                  "arguments": _string(item, "arguments", i)}}
@@ -407,9 +410,26 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
+            outputs.append((i, _string(item, "call_id", i)))
             messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": _text_of_output(item.get("output"), i)})
+    for i, call_id in outputs:
+        if call_id not in calls:
+            raise refuse(orphan_output(i, call_id), f"input.{i}.call_id")
     return messages
+
+
+def orphan_output(index: int, call_id: str) -> str:
+    """The refusal of the ``function_call_output`` item ``input[index]`` whose ``call_id``
+    names no ``function_call`` item of the input. OpenAI answers it with a 400, "No tool call
+    found for function call output with call_id ...": the model would read an answer to a
+    call it never made (until stop 74 it was taken, a ``tool`` message of no call). Nothing is
+    stored here, so the call can only come from the input: the Agents SDK and an SDK's
+    ``input += response.output`` send it back with its output."""
+    return (f"input[{index}].call_id={shown(call_id, 80)}: No tool call found for function "
+            f"call output with call_id {shown(call_id, 80)} (no function_call item of the "
+            f"input has it: send the function_call item the response gave with its output; "
+            f"previous_response_id is not supported, nothing is stored)")
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
