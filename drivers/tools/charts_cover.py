@@ -2,16 +2,21 @@
 of chart classes over any test command (pytest or not), and a gate.
 
 The command runs in a fresh process tree with a ``sitecustomize`` on ``PYTHONPATH`` (as
-``charts mutate`` does): every Python process it starts imports each chart at start-up and
-records, through the coverage listener (``calexec.machines.coverage.track``), every transition
-any run of the class takes (python-statemachine instances and compiled runs), then writes what
-it saw to a scratch directory at exit. ``charts cover`` merges them and prints one line per
+``charts mutate`` does): every Python process it starts watches for the import of each chart's
+module and, once the process imports it, records through the coverage listener
+(``calexec.machines.coverage.track``) every transition any run of the class takes
+(python-statemachine instances, compiled runs and those its module made as it was imported),
+then writes what it saw to a scratch directory at exit. A process that never imports the
+chart's module (a helper a test starts, ``python -c 'print(42)'``) never imports it: until
+stop 74 each one imported every chart at start-up, so a chart module that starts a thread
+that is no daemon as it is imported kept each of them from exiting, and the test command
+hung. ``charts cover`` merges them and prints one line per
 chart, ``transition coverage <chart>: <covered>/<declared>``, and the untaken transitions.
 
 Exit codes: 0 the command passed and every chart is at or above ``--min`` (default 0); 1 the
 command failed (its exit code is printed) or a chart is below ``--min``; 2 bad input (one line
 naming it: not ``MODULE:CLASS``, not importable, not a chart; ``--min`` outside 0-100; no
-command; no process of the command could import the chart).
+command; no process of the command imported the chart's module, or could load the chart).
 
 This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:CLASS
 --chart-coverage-min=PCT``), for a command that is not one pytest session.
@@ -20,13 +25,16 @@ This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:
 from __future__ import annotations
 
 import atexit
-import contextlib
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from calexec.cliargs import EXIT_FAILED, UserError, cannot_run, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
@@ -49,6 +57,9 @@ from calexec.machines.coverage import (
 CHARTS_ENV = "CALEXEC_CHART_COVER"
 #: directory each started process writes ``hits-<pid>.json`` into at exit
 OUT_ENV = "CALEXEC_CHART_COVER_DIR"
+#: JSON ``{ref: file}``: the file declaring each chart, as ``charts cover`` loaded it, so a
+#: process that imports the file under another module name is told from one that never did
+FILES_ENV = "CALEXEC_CHART_COVER_FILES"
 
 SITECUSTOMIZE = sitecustomize_source(
     "`calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.",
@@ -57,35 +68,48 @@ SITECUSTOMIZE = sitecustomize_source(
 
 
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
-    """In a process started by ``charts cover``: track the charts named by ``CALEXEC_CHART_COVER``
-    and write the transitions taken to ``CALEXEC_CHART_COVER_DIR`` at exit. A chart this process
-    cannot import is written as an error (another process of the command may import it).
-    Does nothing when the variables are unset."""
+    """In a process started by ``charts cover``: once the process imports the module of a
+    chart named by ``CALEXEC_CHART_COVER``, track that chart, and write the transitions taken
+    to ``CALEXEC_CHART_COVER_DIR`` at exit. The modules are never imported here: a process
+    that does not import them (a helper a test starts) runs as it would without ``charts
+    cover``. A chart this process imported but cannot load is written as an error. Does
+    nothing when the variables are unset."""
     refs, out = environ.get(CHARTS_ENV), environ.get(OUT_ENV)
     if not refs or not out:
         return
+    try:
+        files: dict[str, str] = json.loads(environ.get(FILES_ENV) or "{}")
+    except ValueError:
+        files = {}
     recorder = TransitionRecorder()
     loaded: dict[str, str] = {}  # ref -> chart name
     tracked: dict[str, CompiledChart] = {}
     errors: dict[str, str] = {}
+    waiting: dict[str, list[str]] = {}  # module name -> the refs of charts it declares
     for ref in refs.split(","):
-        try:
-            # (what the chart's module prints as it is imported goes to stderr: this process
-            # may be one whose output its parent reads, `python tool.py` of a test, which never
-            # imports the chart itself; until stop 72 the module's print came first on its
-            # stdout under `charts cover` alone)
-            with contextlib.redirect_stdout(sys.stderr):
-                declaration = load_chart(ref, os.getcwd())
-            chart = compiled(declaration)
-            track(chart, recorder)
-            loaded[ref] = chart.name
-            tracked[ref] = chart
-        except (ChartRefError, ValueError, TypeError) as err:
-            errors[ref] = _reason(err)
+        waiting.setdefault(ref.partition(":")[0], []).append(ref)
+
+    def imported(name: str) -> None:
+        for ref in waiting.pop(name, []):
+            try:
+                chart = compiled(load_chart(ref, os.getcwd()))  # (the module is loaded)
+                track(chart, recorder)  # (with the instances its import made)
+                loaded[ref] = chart.name
+                tracked[ref] = chart
+            except (ChartRefError, ValueError, TypeError) as err:
+                errors[ref] = _reason(err)
+
+    for name in [name for name in waiting if name in sys.modules]:  # (loaded before this ran)
+        imported(name)
+    if waiting:
+        sys.meta_path.insert(0, AfterImport(waiting, imported))
 
     def write() -> None:
         path = Path(out, f"hits-{os.getpid()}.json")
         twins = {ref: other_imports(chart) for ref, chart in tracked.items()}
+        for ref, file in files.items():  # (the file imported under another name only)
+            if ref not in tracked and (names := modules_of_file(file, ref.partition(":")[0])):
+                twins[ref] = names
         try:
             path.write_text(json.dumps({"loaded": loaded, "errors": errors, "twins": twins,
                                         "hits": sorted(recorder.hits)}), encoding="utf-8")
@@ -94,6 +118,74 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
             pass
 
     atexit.register(write)
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that calls ``then(name)`` once the module ``name`` of
+    ``names`` was executed by the process's own import. It finds nothing itself: the spec is
+    the next finders' (pytest's assertion rewriting included), its loader wrapped. It keeps
+    itself first on ``sys.meta_path`` (a finder inserted later, pytest's, would otherwise
+    load the module without it)."""
+
+    def __init__(self, names: Mapping[str, Any], then: Callable[[str], None]) -> None:
+        self.names, self.then = names, then
+
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if sys.meta_path[:1] != [self] and self in sys.meta_path:
+            # (moved in place while the import system iterates the list: the finders after
+            # this one keep their positions relative to the iteration)
+            sys.meta_path.remove(self)
+            sys.meta_path.insert(0, self)
+        if name not in self.names:
+            return None
+        for finder in [f for f in sys.meta_path if f is not self]:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ThenLoader(spec.loader, lambda: self.then(name))
+                return spec
+        return None
+
+
+class _ThenLoader(importlib.abc.Loader):
+    """``loader``, calling ``then()`` after it executed the module (everything else its own:
+    ``get_source`` for a traceback, ``is_package``, ...)."""
+
+    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
+        self._loader, self._then = loader, then
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)  # type: ignore[no-any-return]
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._then()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._loader, attr)
+
+
+def modules_of_file(file: str, name: str) -> list[str]:
+    """The names other than ``name`` of the modules of this process loaded from ``file``."""
+    found = []
+    for other, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if other == name or not isinstance(where, str):
+            continue
+        try:
+            if os.path.samefile(where, file):
+                found.append(other)
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def declaring_file(chart: CompiledChart) -> str | None:
+    """The file of the module declaring ``chart``, as this process loaded it (None: none)."""
+    where = getattr(sys.modules.get(chart.declaration.__module__), "__file__", None)
+    return os.path.abspath(where) if isinstance(where, str) else None
 
 
 def _reason(err: Exception) -> str:
@@ -194,6 +286,8 @@ def main(argv: list[str]) -> int:
         env = dict(os.environ)
         env[CHARTS_ENV] = ",".join(refs)
         env[OUT_ENV] = str(scratch)
+        env[FILES_ENV] = json.dumps({ref: file for ref, chart in zip(refs, charts)
+                                     if (file := declaring_file(chart)) is not None})
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(site), os.getcwd(), env.get("PYTHONPATH")]))
         try:  # (a SIGTERM is an interrupt, as a Ctrl-C: the signal ended calexec alone and
@@ -205,16 +299,25 @@ def main(argv: list[str]) -> int:
                             f"{cannot_run(args.command[0], err)}") from None
         hits, loaded, errors = merge(scratch)
         other = twins(scratch)
+        recorded = any(scratch.glob("hits-*.json"))
     if errors:
         for ref, why in errors.items():
             print(f"calexec charts cover: no process of the command imported {ref}: {why}",
                   file=sys.stderr)
         return 2
-    if not loaded:
+    if not recorded:
         print("calexec charts cover: the command started no Python process that recorded "
               "(is it a Python command, run with this environment?)"
               + (f"; it exited with code {code}" if code else ""), file=sys.stderr)
         return 2
+    unseen = [ref for ref in refs if ref not in loaded and ref not in other]
+    if unseen:  # (a process that imports the file under another name: the hint below)
+        print((f"calexec charts cover: the test command failed (exit code {code}), and no "
+               f"process of it" if code else "calexec charts cover: no process of the command")
+              + f" imported module {unseen[0].partition(':')[0]!r}, which "
+              f"declares {unseen[0]} (the transitions are counted in the processes that "
+              f"import it: run the tests that use the chart)", file=sys.stderr)
+        return EXIT_FAILED if code else 2
     recorder = TransitionRecorder()
     recorder.hits.update(hits)
     below = False
