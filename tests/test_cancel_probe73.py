@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,12 +24,11 @@ from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
 from calexec.drivers.fleet.edge import serve_relayed  # noqa: E402
 from calexec.drivers.fleet.ingress import fleet_body_too_large  # noqa: E402
 from calexec.drivers.serving.handoff import PROGRESS_TYPE  # noqa: E402
-from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
-    LiveServer,
+    busy_engine,
     metric_value,
     oracle_tokens,
-    started_executor,
+    stepped_server,
     wait_for,
 )
 
@@ -40,22 +38,9 @@ PROMPT = [5, 6, 7]
 WAIT_S = 30.0
 
 
-def busy_engine(emu) -> int | None:
-    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
-
-
-@contextlib.contextmanager
-def served(tmp_path, **config) -> Iterator[tuple]:
-    """(server, service, executor) of a loopback server with the admin token; the device
-    unstepped and the executor shut down at the end."""
-    executor = started_executor(tmp_path)
-    app = create_app(executor, ServerConfig(admin_token=TOKEN, **config))
-    try:
-        with LiveServer(app) as server:
-            yield server, app.state.service, executor
-    finally:
-        executor.device.emu.set_stepped(False)
-        executor.shutdown(5.0)
+def served(tmp_path, **config) -> contextlib.AbstractContextManager[tuple]:
+    """(server, service, executor) of a loopback server with the admin token."""
+    return stepped_server(tmp_path, admin_token=TOKEN, **config)
 
 
 def posted(url: str, path: str, body: dict, out: list, headers: dict | None = None

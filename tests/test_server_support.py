@@ -46,6 +46,27 @@ def started_executor(tmp: Path, device_config: str = "",
     return executor
 
 
+@contextlib.contextmanager
+def stepped_server(tmp: Path, **config) -> Iterator[tuple]:
+    """(server, service, executor) of a loopback server (``ServerConfig(**config)``) on a
+    fresh executor (``started_executor``); the device unstepped and the executor shut down
+    at the end, whatever the test left stepped."""
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    executor = started_executor(tmp)
+    app = create_app(executor, ServerConfig(**config))
+    try:
+        with LiveServer(app) as server:
+            yield server, app.state.service, executor
+    finally:
+        executor.device.emu.set_stepped(False)
+        executor.shutdown(5.0)
+
+
+def busy_engine(emu) -> int | None:
+    """The emulator engine (0 or 1) that holds a job, or None."""
+    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
+
+
 def bos_tokenizer(path: Path) -> Path:
     """A WordLevel ``tokenizer.json`` written at ``path`` (returned) whose post-processor puts
     ``[BOS]`` (id 1) before every single text: ``hello`` 5, ``user`` 6, ``:`` 7,
