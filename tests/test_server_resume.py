@@ -31,9 +31,11 @@ from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
 from calexec.machines.faults import RecoveryPolicy  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
+    busy_engine,
     metric_value,
     oracle_tokens,
     started_executor,
+    stepped_server,
     wait_for,
 )
 
@@ -221,25 +223,18 @@ def test_the_clients_own_deadline_is_not_resumed(tmp_path):
 
 
 # ---- waiting through a recovery ------------------------------------------------------------------
-def busy_engine(emu) -> int | None:
-    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
-
-
 def test_requests_wait_through_a_recovery_and_complete(tmp_path):
     """The stepped emulator holds the recovery's golden in Warming: the faulted request (its
     resume) and a request arriving then both wait (num_requests_waiting 2), /ready stays 503;
     once Ready both complete with the fault-free tokens."""
-    executor = started_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
     out: dict[str, httpx.Response] = {}
 
     def post(name: str) -> None:
         out[name] = httpx.post(f"{server.url}/v1/completions", timeout=30,
                                json={"prompt": PROMPT, "max_tokens": 4})
-    try:
-        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+    with stepped_server(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        with httpx.Client(base_url=server.url, timeout=20) as client:
             assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
             assert emu.set_stepped(True) == 0
             faulted = threading.Thread(target=post, args=("faulted",))
@@ -266,20 +261,15 @@ def test_requests_wait_through_a_recovery_and_complete(tmp_path):
         assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
         assert metric_value(metrics, "calexec_num_requests_waiting") == 0
         assert metric_value(metrics, "calexec_request_failures_total") is None
-    finally:
-        emu.set_stepped(False)
-        executor.shutdown(5.0)
 
 
 def test_a_resume_waits_no_longer_than_its_time_budget(tmp_path):
     """The recovery's golden is held in Warming longer than resume_budget_s: the resume gives
     up at its budget with the failure of old (503 device), the deadline still far."""
-    executor = started_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig(resume_budget_s=0.2))
     out: list[httpx.Response] = []
-    try:
-        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+    with stepped_server(tmp_path, resume_budget_s=0.2) as (server, service, executor):
+        emu = executor.device.emu
+        with httpx.Client(base_url=server.url, timeout=20) as client:
             assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
             assert emu.set_stepped(True) == 0
             faulted = threading.Thread(target=lambda: out.append(httpx.post(
@@ -298,9 +288,6 @@ def test_a_resume_waits_no_longer_than_its_time_budget(tmp_path):
             assert emu.set_stepped(False) == 0
             wait_for(lambda: client.get("/ready").status_code == 200, timeout=20,
                      what="Ready after the recovery")
-    finally:
-        emu.set_stepped(False)
-        executor.shutdown(5.0)
 
 
 def test_a_model_switch_between_two_tokens_is_resumed(tmp_path):

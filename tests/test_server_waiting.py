@@ -24,17 +24,15 @@ from calexec.drivers.serving.server import SequencePool, ServerConfig, create_ap
 from calexec.machines.executor import DeviceExecutor  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
+    busy_engine,
     metric_value,
     oracle_tokens,
     started_executor,
+    stepped_server,
     wait_for,
 )
 
 PROMPT = [5, 6, 7]
-
-
-def busy_engine(emu) -> int | None:
-    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
 
 
 def hold_recovery_in_warming(executor) -> threading.Thread:
@@ -66,13 +64,10 @@ def waiting_behind_a_recovery(executor, service, url: str, max_tokens: int, out:
 # ---- waiting through a recovery ------------------------------------------------------------------
 def test_a_request_during_a_recovery_waits_and_completes(tmp_path):
     """It used to be an immediate 503. /ready stays 503 meanwhile (load balancers route away)."""
-    executor = started_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
-    service = app.state.service
     out: list[httpx.Response] = []
-    try:
-        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+    with stepped_server(tmp_path) as (server, service, executor):
+        emu = executor.device.emu
+        with httpx.Client(base_url=server.url, timeout=20) as client:
             recovery, late = waiting_behind_a_recovery(executor, service, server.url, 4, out)
             assert metric_value(client.get("/metrics").text,
                                 "calexec_num_requests_waiting") == 1
@@ -87,19 +82,13 @@ def test_a_request_during_a_recovery_waits_and_completes(tmp_path):
             assert client.get("/ready").json()["generation"] == 2
             assert metric_value(client.get("/metrics").text,
                                 "calexec_num_requests_waiting") == 0
-    finally:
-        emu.set_stepped(False)
-        executor.shutdown(5.0)
 
 
 def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(tmp_path):
-    executor = started_executor(tmp_path)
-    emu = executor.device.emu
-    app = create_app(executor, ServerConfig(max_waiting=1))
-    service = app.state.service
     out: list[httpx.Response] = []
-    try:
-        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+    with stepped_server(tmp_path, max_waiting=1) as (server, service, executor):
+        emu = executor.device.emu
+        with httpx.Client(base_url=server.url, timeout=20) as client:
             recovery, waiting = waiting_behind_a_recovery(executor, service, server.url, 2, out)
             full = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert full.status_code == 503 and full.headers["retry-after"] == "1"
@@ -115,9 +104,6 @@ def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(
             assert refused.status_code == 503 and "Failed" in refused.json()["error"]["message"]
             emu.set_stepped(False)
             recovery.join(20)
-    finally:
-        emu.set_stepped(False)
-        executor.shutdown(5.0)
 
 
 # ---- waiting for a sequence id -------------------------------------------------------------------
