@@ -25,6 +25,13 @@ def _replace_by_rename(path: Path, seed: int) -> None:
     os.replace(new, path)
 
 
+def _recover_from_a_fault(ex) -> Status:
+    """``ex``'s recovery from a device fault (a CCU exception), as the fault controller
+    starts one: what restores the calbin that served."""
+    return ex.recover(Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
+                                     "a test's fault"))
+
+
 def test_a_refused_reload_of_the_serving_path_rolls_back_to_the_file_that_served(tmp_path):
     ex = started_executor(tmp_path)
     try:
@@ -36,8 +43,7 @@ def test_a_refused_reload_of_the_serving_path_rolls_back_to_the_file_that_served
         assert "golden.unpinned" in status.message and "serves again" in status.message
         assert ex.state == "Ready" and ex.gen.sha256 == served  # the model that served
         # and it keeps serving through a recovery (the path still holds the refused file)
-        again = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
-                                          Phase.RECOVERY, "a test's fault"))
+        again = _recover_from_a_fault(ex)
         assert again.ok, again
         assert ex.state == "Ready" and ex.gen.sha256 == served
     finally:
@@ -49,8 +55,7 @@ def test_a_recovery_restores_what_served_not_what_the_path_holds_since(tmp_path)
     try:
         served = ex.gen.sha256
         _replace_by_rename(tmp_path / "synthetic.calbin", OTHER_SEED)
-        status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
-                                           Phase.RECOVERY, "a test's fault"))
+        status = _recover_from_a_fault(ex)
         assert status.ok, status
         assert ex.state == "Ready" and ex.gen.sha256 == served
     finally:
@@ -64,8 +69,7 @@ def test_a_calbin_written_over_in_place_is_not_restored_and_says_why(tmp_path):
     try:
         path = tmp_path / "synthetic.calbin"
         calbin.write(str(path), calbin.default_spec(seed=OTHER_SEED))  # (the same inode)
-        status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
-                                           Phase.RECOVERY, "a test's fault"))
+        status = _recover_from_a_fault(ex)
         assert not status.ok and status.code == "calbin.changed", status
         assert "written over in place" in status.message and "(mv)" in status.message
         assert ex.state == "Failed"
