@@ -209,6 +209,20 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
                                   http_status=raw.http_status, headers=raw.headers)
         return raw
 
+    async def no_body(request: Request, route: str, takes: str, instead: str
+                      ) -> Response | None:
+        """None when the admin ``route``, which takes no body, got none (or ``{}``, a
+        client's ``json={}``, saying nothing); else the answer: :func:`read_body`'s (its 413
+        saying what the route ``takes``), or a 400 naming the bytes sent and where what they
+        meant goes (``instead``)."""
+        raw = await read_body(request, takes)
+        if not isinstance(raw, bytes):
+            return raw
+        if raw.strip() and raw.strip() != b"{}":
+            return error_response(invalid(f"body: {route} takes no body ({len(raw)} bytes "
+                                          f"sent): {instead}"), None)
+        return None
+
     @app.post("/admin/drain")
     async def admin_drain(request: Request) -> Response:
         service = owner.service
@@ -218,13 +232,10 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         unknown = query_refusal(request, DRAIN_PARAMS, "POST /admin/drain?grace=S")
         if unknown is not None:
             return unknown
-        raw = await read_body(request, DRAIN_TAKES)
-        if not isinstance(raw, bytes):
-            return raw
-        if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
-            return error_response(invalid(f"body: /admin/drain takes no body ({len(raw)} "
-                                          "bytes sent): the grace is the query parameter "
-                                          "?grace=S"), None)
+        bodied = await no_body(request, "/admin/drain", DRAIN_TAKES,
+                               "the grace is the query parameter ?grace=S")
+        if bodied is not None:
+            return bodied
         given = request.query_params.getlist("grace")
         if len(given) > 1:  # (the last would win: which one was meant is the client's)
             return error_response(invalid(f"grace={shown(given[0], 64)}: given {len(given)} times "
