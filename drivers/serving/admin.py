@@ -273,13 +273,10 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         unknown = query_refusal(request, (), "POST /admin/cancel/{id} takes no query")
         if unknown is not None:
             return unknown
-        raw = await read_body(request, CANCEL_TAKES)
-        if not isinstance(raw, bytes):
-            return raw
-        if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
-            return error_response(invalid(f"body: /admin/cancel/{{id}} takes no body "
-                                          f"({len(raw)} bytes sent): the id is the path's "
-                                          "last segment"), None)
+        bodied = await no_body(request, "/admin/cancel/{id}", CANCEL_TAKES,
+                               "the id is the path's last segment")
+        if bodied is not None:
+            return bodied
         if wire.SANE_REQUEST_ID.fullmatch(ident.encode("utf-8", "replace")) is None:
             return error_response(invalid(
                 f"id={shown(ident, 64)}: not a request id (a response id such as "
