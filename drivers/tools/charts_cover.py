@@ -157,7 +157,7 @@ class _ThenLoader(importlib.abc.Loader):
         self._loader, self._then = loader, then
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)  # type: ignore[no-any-return]
+        return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
