@@ -493,12 +493,20 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
             mutate_class(cls)
 
     meta.__init__ = init  # type: ignore[method-assign]  # the process runs one mutant: its hook
+    after_import(module_name, mutate)
+
+
+def after_import(module_name: str, callback: Callable[[types.ModuleType], None]) -> None:
+    """``callback(module)`` once module ``module_name`` is executed by this process's own
+    import (at once when it is already): an ``ApplyAfterImport`` hook kept first on
+    ``sys.meta_path``, a finder inserted at the front later (pytest's assertion rewriter)
+    going right behind it. Imports nothing itself."""
     if module_name in sys.modules:
-        mutate(sys.modules[module_name])
+        callback(sys.modules[module_name])
         return
     if not isinstance(sys.meta_path, _HookFirst):
         sys.meta_path = _HookFirst(sys.meta_path)
-    list.insert(sys.meta_path, 0, ApplyAfterImport(module_name, mutate))
+    list.insert(sys.meta_path, 0, ApplyAfterImport(module_name, callback))
 
 
 class _HookFirst(list):  # type: ignore[type-arg]  # sys.meta_path's items are any finders
