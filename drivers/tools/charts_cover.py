@@ -25,16 +25,13 @@ This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from calexec.cliargs import EXIT_FAILED, UserError, cannot_run, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
@@ -52,6 +49,7 @@ from calexec.machines.coverage import (
     report,
     track,
 )
+from calexec.machines.mutants import after_import
 
 #: ``MODULE:CLASS`` references, comma-separated, that the started processes record
 CHARTS_ENV = "CALEXEC_CHART_COVER"
@@ -89,8 +87,8 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     for ref in refs.split(","):
         waiting.setdefault(ref.partition(":")[0], []).append(ref)
 
-    def imported(name: str) -> None:
-        for ref in waiting.pop(name, []):
+    def imported(module: ModuleType) -> None:
+        for ref in waiting.pop(module.__name__, []):
             try:
                 chart = compiled(load_chart(ref, os.getcwd()))  # (the module is loaded)
                 track(chart, recorder)  # (with the instances its import made)
@@ -99,10 +97,8 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
             except (ChartRefError, ValueError, TypeError) as err:
                 errors[ref] = _reason(err)
 
-    for name in [name for name in waiting if name in sys.modules]:  # (loaded before this ran)
-        imported(name)
-    if waiting:
-        sys.meta_path.insert(0, AfterImport(waiting, imported))
+    for name in list(waiting):  # (the hook charts mutate applies its mutants with)
+        after_import(name, imported)
 
     def write() -> None:
         path = Path(out, f"hits-{os.getpid()}.json")
@@ -118,53 +114,6 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
             pass
 
     atexit.register(write)
-
-
-class AfterImport(importlib.abc.MetaPathFinder):
-    """A ``sys.meta_path`` finder that calls ``then(name)`` once the module ``name`` of
-    ``names`` was executed by the process's own import. It finds nothing itself: the spec is
-    the next finders' (pytest's assertion rewriting included), its loader wrapped. It keeps
-    itself first on ``sys.meta_path`` (a finder inserted later, pytest's, would otherwise
-    load the module without it)."""
-
-    def __init__(self, names: Mapping[str, Any], then: Callable[[str], None]) -> None:
-        self.names, self.then = names, then
-
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if sys.meta_path[:1] != [self] and self in sys.meta_path:
-            # (moved in place while the import system iterates the list: the finders after
-            # this one keep their positions relative to the iteration)
-            sys.meta_path.remove(self)
-            sys.meta_path.insert(0, self)
-        if name not in self.names:
-            return None
-        for finder in [f for f in sys.meta_path if f is not self]:
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ThenLoader(spec.loader, lambda: self.then(name))
-                return spec
-        return None
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """``loader``, calling ``then()`` after it executed the module (everything else its own:
-    ``get_source`` for a traceback, ``is_package``, ...)."""
-
-    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
-        self._loader, self._then = loader, then
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._then()
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self._loader, attr)
 
 
 def modules_of_file(file: str, name: str) -> list[str]:
