@@ -9,6 +9,9 @@ each change a claim of equality that these tests pin where the suite did not.
   inside it no answer and every id back; a ``TimeoutError`` the read itself raises is not
   the bound's (it propagates, as it did through anyio's scope). The test of the 504 passed
   on the code before the change and fails on a bound whose expiry is not caught (a 500).
+* A body's framing headers (its media type, content and transfer codings) are read in one
+  pass (``wire.body_framing``), where three checks took a pass each: the same refusal for
+  any header fields (a differential over generated ones).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
@@ -196,3 +201,38 @@ def test_expire_ends_an_entered_bound_and_leaves_an_ended_one():
         return seen
     assert asyncio.run(asyncio.wait_for(scenario(), WAIT_S)) == [
         "expired=True", "left expired=False"]
+
+
+# ---- the body's framing headers, one pass -----------------------------------------------------
+_KEYS = [b"content-type", b"content-encoding", b"transfer-encoding", b"content-length",
+         b"Content-Type", b"x-other", b"expect"]
+_VALUES = ["", "application/json", "Application/JSON; charset=utf-8", "text/plain",
+           "application/vnd.api+json", "application/+json", " gzip", "identity", "gzip, identity",
+           "identity, gzip", ",", "chunked", "gzip, chunked", "identity, chunked", "CHUNKED ",
+           "br", "deflate,,br", "multipart/form-data; boundary=x", "\xe9t\xe9", "a" * 200]
+
+
+def _old_reading(request: Request) -> tuple[str, str] | None:
+    """The route's reading before stop 74: the three functions, in its order."""
+    for field, check in (("content-type", wire.non_json_media),
+                         ("content-encoding", wire.unsupported_coding),
+                         ("transfer-encoding", wire.unsupported_transfer_coding)):
+        found = check(request)
+        if found is not None:
+            return field, found
+    return None
+
+
+@given(st.lists(st.tuples(st.sampled_from(_KEYS),
+                          st.one_of(st.sampled_from(_VALUES),
+                                    st.text(st.characters(max_codepoint=255), max_size=30))),
+                max_size=6))
+@settings(max_examples=600, deadline=None)
+def test_body_framing_answers_as_the_three_checks_did(fields):
+    """``wire.body_framing`` (one pass over the header fields) finds what the three checks
+    found, called one after the other, for any header fields: the same field and value, or
+    None for both."""
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(key, value.encode("latin-1")) for key, value in fields],
+             "http_version": "1.1", "query_string": b"", "root_path": ""}
+    assert wire.body_framing(Request(scope)) == _old_reading(Request(scope))

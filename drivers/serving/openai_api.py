@@ -1504,17 +1504,16 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             raise auth
         if admits and service.draining and wire.expects_continue(request):
             raise draining_refusal()
-        media = wire.non_json_media(request)
-        if media is not None:
-            raise Refusal(invalid(f"content-type {shown(media)}: the body must be JSON "
-                                  "(application/json)"), None, 415)
-        coding = wire.unsupported_coding(request)
-        if coding is not None:
-            raise Refusal(invalid(f"content-encoding {shown(coding)}: not supported, send the body "
-                                  "uncompressed"), None, 415, wire.IDENTITY_ONLY)
-        transfer = wire.unsupported_transfer_coding(request)
-        if transfer is not None:
-            raise Refusal(error_bodies.transfer_coding_refused(transfer), None, 501)
+        framing = wire.body_framing(request)  # (the media type, then the codings)
+        if framing is not None:
+            field, value = framing
+            if field == "content-type":
+                raise Refusal(invalid(f"content-type {shown(value)}: the body must be JSON "
+                                      "(application/json)"), None, 415)
+            if field == "content-encoding":
+                raise Refusal(invalid(f"content-encoding {shown(value)}: not supported, send "
+                                      "the body uncompressed"), None, 415, wire.IDENTITY_ONLY)
+            raise Refusal(error_bodies.transfer_coding_refused(value), None, 501)
         raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s,
                                          service.bodies)
         if isinstance(raw, wire.BodyRefusal):  # 499 (nobody reads it), 408, 413: counted
