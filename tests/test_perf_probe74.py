@@ -12,6 +12,9 @@ each change a claim of equality that these tests pin where the suite did not.
 * A body's framing headers (its media type, content and transfer codings) are read in one
   pass (``wire.body_framing``), where three checks took a pass each: the same refusal for
   any header fields (a differential over generated ones).
+* The server's counters are ``metrics.LeanCounter`` (one call and one lock a count, where
+  prometheus_client's took four calls): the same exposition, byte for byte, for the same
+  counts (a differential against prometheus_client's ``Counter``).
 """
 
 from __future__ import annotations
@@ -19,18 +22,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.metrics import disable_created_metrics, enable_created_metrics
+from prometheus_client.openmetrics import exposition as openmetrics
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
-from calexec.drivers.serving import wire  # noqa: E402
+from calexec.drivers.serving import metrics, wire  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
@@ -236,3 +244,58 @@ def test_body_framing_answers_as_the_three_checks_did(fields):
              "headers": [(key, value.encode("latin-1")) for key, value in fields],
              "http_version": "1.1", "query_string": b"", "root_path": ""}
     assert wire.body_framing(Request(scope)) == _old_reading(Request(scope))
+
+
+# ---- the server's counters ------------------------------------------------------------------
+@pytest.fixture
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both record a series' creation time from ``time.time()``: one value for all."""
+    monkeypatch.setattr(time, "time", lambda: 1765000000.25)
+
+
+#: the shapes of the server's counter families (``ServerMetrics``): labelled with the model,
+#: labelled without it, unlabelled; a name given with ``_total`` too
+_FAMILIES = [("calexec_api_requests", ("route", "outcome", "model_name")),
+             ("calexec_request_failures", ("category", "code", "raw", "model_name")),
+             ("calexec_admin_cancels", ("outcome",)),
+             ("calexec_prompt_tokens", ()),
+             ("calexec_decode_burst_jobs_total", ())]
+
+
+@pytest.mark.parametrize("created", [True, False])
+@pytest.mark.parametrize("seed", [74, 75])
+def test_lean_counters_expose_what_prometheus_clients_counters_did(created, seed, fixed_clock):
+    """``metrics.LeanCounter`` fed the same counts as prometheus_client's ``Counter`` (children
+    looked up before any count, in any order, label values to be escaped, amounts of 0, ints
+    and floats, a refused negative amount) exposes the same bytes, in the text format and in
+    OpenMetrics, with and without the ``_created`` series."""
+    if not created:
+        disable_created_metrics()
+    try:
+        rng = random.Random(seed)
+        old_reg, new_reg = CollectorRegistry(), CollectorRegistry()
+        pairs = [(labels, Counter(name, f"help of {name} \"q\"\n", labels, registry=old_reg),
+                  metrics.LeanCounter(name, f"help of {name} \"q\"\n", labels, registry=new_reg))
+                 for name, labels in _FAMILIES]
+        values = ["a", "b", "x \"quoted\"\nline\\", "model-1", ""]
+        for _ in range(2000):
+            labels, old, new = rng.choice(pairs)
+            if labels:
+                key = tuple(rng.choice(values) for _ in labels)
+                old, new = old.labels(*key), new.labels(*key)
+            amount = rng.choice([0, 1, 1, 1, 3, 2.5, 1e-9, 10**6, -1])
+            if rng.random() < 0.1:
+                continue  # (a child looked up, not counted)
+            outcomes = []
+            for counter in (old, new):
+                try:
+                    counter.inc(amount)
+                    outcomes.append("counted")
+                except ValueError as err:
+                    outcomes.append(str(err))
+            assert outcomes[0] == outcomes[1]
+        assert generate_latest(new_reg) == generate_latest(old_reg)
+        assert openmetrics.generate_latest(new_reg) == openmetrics.generate_latest(old_reg)
+        assert repr(list(new_reg.collect())) == repr(list(old_reg.collect()))
+    finally:
+        enable_created_metrics()
