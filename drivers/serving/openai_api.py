@@ -21,7 +21,6 @@ import re
 import time
 import types
 import typing
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -2378,7 +2377,7 @@ def new_response_id(request: Request, prefix: str) -> str:
     """A new response body ``id`` (``cmpl-``/``chatcmpl-`` + a random hex: random as vLLM's,
     since a counter repeats across restarts and a fleet's replicas), also the request's
     ``x-request-id`` unless the client sent its own (wire.RequestIds)."""
-    made = f"{prefix}-{uuid.uuid4().hex}"
+    made = f"{prefix}-{wire.uuid4_hex()}"
     wire.name_request(request.scope, made)
     return made
 
