@@ -650,6 +650,35 @@ def _variants(outcomes: Mapping[str, bool],
     return found
 
 
+def _inner_guarded(transition: Transition) -> bool:
+    """Whether ``transition`` is one a macrostep takes without an event sent (eventless, on
+    ``done.state``) under guards."""
+    return ((not transition.event or transition.event.startswith("done.state."))
+            and bool(transition.conds or transition.unless))
+
+
+def _stopping(outcomes: Mapping[str, bool], taken: Iterable[Transition],
+              keep: Iterable[Transition] = ()) -> list[Mapping[str, bool]]:
+    """``outcomes`` with one guard more fixed to refuse each guarded eventless or
+    ``done.state`` transition of ``taken`` (but those of ``keep``), where they leave a way to:
+    the macrostep then stops before it. A state with two guarded eventless transitions out
+    (``fermenting.to(bottled, cond="fermented")``, ``fermenting.to(spoiled,
+    cond="is_contaminated")``) is stayed in only under outcomes refusing both, which no merge
+    of one transition's outcomes (``_variants``) gives; each refinement fixes a name more, so
+    repeating it ends."""
+    kept = {t.id for t in keep}
+    found: list[Mapping[str, bool]] = []
+    for transition in taken:
+        if transition.id in kept or not _inner_guarded(transition):
+            continue
+        refused = _solve(dict(outcomes), (_refusals(transition),))
+        if refused is not None and refused != dict(outcomes):
+            merged = MappingProxyType(refused)
+            if merged not in found:
+                found.append(merged)
+    return found
+
+
 def _graph(chart: CompiledChart, limit: int) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
     lives (breadth-first from the initial configuration; ``limit`` configurations at most: a
@@ -677,8 +706,16 @@ def _graph(chart: CompiledChart, limit: int) -> _Graph:
     frontier: deque[_Node] = deque()
     # the start under every guard holding, then under outcomes that select (or refuse) each
     # guarded eventless or ``done.state`` transition: the start takes those too
-    for start_outcomes in _variants(MappingProxyType({}), inner):
+    start_variants = deque(_variants(MappingProxyType({}), inner))
+    tried_starts: list[Mapping[str, bool]] = []
+    while start_variants:
+        start_outcomes = start_variants.popleft()
+        if start_outcomes in tried_starts:
+            continue
+        tried_starts.append(start_outcomes)
         start = StatechartRun.skeleton(chart, start_outcomes)
+        # and the start stopping before each guarded transition it took (below)
+        start_variants.extend(_stopping(start_outcomes, start.taken_at_start))
         begun = _Start(start_outcomes, frozenset(t.id for t in start.taken_at_start),
                        _node(start, rank, ordered), start.state)
         if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
@@ -722,11 +759,20 @@ def _graph(chart: CompiledChart, limit: int) -> _Graph:
                     sends.append((record, selecting, eventless))
         went: set[tuple[int, frozenset[int], _Node]] = set()
         for record, selecting, first in sends:
-            for outcomes in _variants(selecting, inner):
+            variants = deque(_variants(selecting, inner))
+            tried: list[Mapping[str, bool]] = []
+            while variants:
+                outcomes = variants.popleft()
+                if outcomes in tried:
+                    continue
+                tried.append(outcomes)
                 twin = run.fork()
                 forced = twin.force(record, outcomes)
                 if forced is None:  # another region's transition preempts it under these
                     continue
+                # and the macrostep stopping before each guarded transition it took
+                variants.extend(_stopping(outcomes, forced,
+                                          (record,) if first is None else (record, first)))
                 taken = frozenset(t.id for t in forced)
                 if first is not None and first.id not in taken:
                     continue  # under these the run does not take ``first`` before the event
