@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -339,6 +340,27 @@ def transition_paths(chart: ChartLike, max_configurations: int | None = None) ->
     return paths
 
 
+def explore(chart: ChartLike, max_configurations: int | None = None,
+            progress: Callable[[int, int], object] | None = None,
+            every_s: float = 5.0) -> int:
+    """Explore the configurations of a hierarchical chart (what every function of this module
+    reads, once per compiled chart: the first one called explores them) and return how many
+    there are (0 for a flat chart, whose paths need none). ``progress(explored, to_go)`` is
+    called at most every ``every_s`` seconds while it runs (``calexec charts paths`` says so
+    on stderr: a chart of many guarded eventless transitions explores for minutes).
+    ``ValueError`` past ``max_configurations``, as :func:`transition_paths`."""
+    chart = compiled(chart)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress={progress!r}: expected a callable(explored, to_go) or None")
+    if (isinstance(every_s, bool) or not isinstance(every_s, (int, float))
+            or not 0 <= every_s < float("inf")):
+        raise ValueError(f"every_s={every_s!r}: expected a finite number of seconds >= 0")
+    if not _by_configuration(chart):
+        return 0
+    return len(_graph(chart, configurations_bound(max_configurations), progress,
+                      float(every_s)).edges)
+
+
 def state_paths(chart: ChartLike, max_configurations: int | None = None) -> dict[str, Walk]:
     """State -> the shortest walk from the initial state to it, in ``chart.states`` order (the
     initial state's walk has no step). Raises ``ValueError`` naming an unreachable state.
@@ -551,8 +573,10 @@ def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
     def canonical(ids: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(sorted(ids, key=lambda state: (rank.get(state, len(rank)), state)))
 
-    states = _by_id(run.chart)
-    atomic = tuple(s for s in configuration if states[s].is_atomic) if ordered else ()
+    atomic: tuple[str, ...] = ()
+    if ordered:  # (the states by id are made anew per call: only where the order decides)
+        states = _by_id(run.chart)
+        atomic = tuple(s for s in configuration if states[s].is_atomic)
     return (canonical(configuration), atomic,
             tuple((name, canonical(ids)) for name, ids in history), running)
 
@@ -679,10 +703,13 @@ def _stopping(outcomes: Mapping[str, bool], taken: Iterable[Transition],
     return found
 
 
-def _graph(chart: CompiledChart, limit: int) -> _Graph:
+def _graph(chart: CompiledChart, limit: int,
+           progress: Callable[[int, int], object] | None = None,
+           every_s: float = 5.0) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
     lives (breadth-first from the initial configuration; ``limit`` configurations at most: a
-    graph explored before under a higher bound is refused past this one as well)."""
+    graph explored before under a higher bound is refused past this one as well).
+    ``progress(explored, to_go)``: called at most every ``every_s`` seconds (``explore``)."""
     known = _GRAPHS.get(id(chart))
     if known is not None and known[0]() is chart:
         if len(known[1].edges) > limit:
@@ -731,7 +758,11 @@ def _graph(chart: CompiledChart, limit: int) -> _Graph:
         if begun.node not in runs:
             runs[begun.node] = (start, len(starts) - 1, no_steps)
             frontier.append(begun.node)
+    said = time.monotonic()
     while frontier:
+        if progress is not None and time.monotonic() - said >= every_s:
+            progress(len(runs) - len(frontier), len(frontier))
+            said = time.monotonic()
         node = frontier.popleft()
         run, origin, steps = runs[node]
         out = edges.setdefault(node, [])
