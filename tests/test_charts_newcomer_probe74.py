@@ -7,6 +7,11 @@ command and the API, and at what it gets wrong."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from statemachine import State, StateChart
 
@@ -128,3 +133,49 @@ def test_exploring_a_hierarchical_chart_says_how_far_it_got() -> None:
         explore(StartsFermenting, progress=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_s="):
         explore(StartsFermenting, every_s=float("nan"))
+
+
+BREWERY = '''
+from statemachine import State, StateChart
+
+
+class Brewery(StateChart):
+    class mashing(State.Compound):
+        heating = State(initial=True)
+        mashed = State(final=True)
+        heat_done = heating.to(mashed)
+
+    class fermenting(State.Compound):
+        primary = State(initial=True)
+        fermented_out = State(final=True)
+        primary.to(fermented_out, cond="fermented")
+
+    spoiled = State(final=True)
+    bottled = State(final=True)
+    done_state_mashing = mashing.to(fermenting)
+    done_state_fermenting = fermenting.to(bottled)
+    fermenting.to(spoiled, cond="is_contaminated")
+    sample = fermenting.to.itself(internal=True)
+'''
+
+
+def _calexec(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | env
+    return subprocess.run([sys.executable, "-m", "calexec", *args], cwd=cwd, env=environ,
+                          text=True, capture_output=True, timeout=120, check=False)
+
+
+def test_charts_paths_says_its_exploration_progress_as_progress_s_asks(tmp_path: Path) -> None:
+    (tmp_path / "brewery74.py").write_text(BREWERY, encoding="utf-8")
+    done = _calexec(["charts", "paths", "brewery74:Brewery"], tmp_path, CALEXEC_PROGRESS_S="0")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "configuration(s) explored" in line]
+    assert lines and lines[0].startswith("calexec charts paths: Brewery: 0 configuration(s) "
+                                         "explored, 1 found still to explore (at most 5000"), lines
+    assert "fermenting --sample--> fermenting" in done.stdout
+    refused = _calexec(["charts", "paths", "brewery74:Brewery"], tmp_path,
+                       CALEXEC_PROGRESS_S="soon")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.strip().splitlines() == [
+        "calexec charts paths: CALEXEC_PROGRESS_S='soon': must be a number of seconds >= 0 and "
+        "at most 1e+06"], refused.stderr

@@ -45,6 +45,7 @@ from calexec.cliargs import (
     non_negative_int,
     output_path,
     positive_int,
+    progress_s,
     refuse_non_directory,
     say,
     seconds,
@@ -272,9 +273,8 @@ def _left_out(data: PathsData) -> str:
 
 
 def _explored(name: str, bound: int, explored: int, to_go: int) -> None:
-    print(f"calexec charts paths: {name}: {explored} configuration(s) explored, {to_go} found "
-          f"still to explore (at most {bound}: --max-configurations) ...", file=sys.stderr,
-          flush=True)
+    say("calexec charts paths", f"{name}: {explored} configuration(s) explored, {to_go} found "
+        f"still to explore (at most {bound}: --max-configurations) ...")
 
 
 def paths(argv: list[str]) -> int:
@@ -292,6 +292,7 @@ def paths(argv: list[str]) -> int:
                         "was left out "
                         f"(default {MAX_STEPS}; 0: no bound)")
     args = parser.parse_args(argv)
+    every_s = progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     chart = chart_from(args.chart)
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
         # (a 1000-state chain's paths took a minute and a half, --json 120 MB, without a word)
@@ -300,11 +301,12 @@ def paths(argv: list[str]) -> int:
               f"transition, each from the start, so a long chain's take a while ...",
               file=sys.stderr, flush=True)
     try:
-        # a hierarchical chart's configurations first, saying how far it got every 5 s (a
-        # chart of 60 compounds each left by guarded eventless transitions took a minute
-        # and a half with nothing after the line above; as_data reads them explored)
+        # a hierarchical chart's configurations first, saying how far it got every 10 s
+        # ($CALEXEC_PROGRESS_S: a chart of 60 compounds each left by guarded eventless
+        # transitions took a minute and a half with nothing after the line above; as_data
+        # reads them explored)
         explore(chart, args.max_configurations, progress=functools.partial(
-            _explored, chart.name, args.max_configurations))
+            _explored, chart.name, args.max_configurations), every_s=every_s)
         data = as_data(chart, args.max_configurations, args.max_steps or None)
     except ValueError as err:  # an unreachable state, a shadowed transition
         raise UserError(str(err)) from None
