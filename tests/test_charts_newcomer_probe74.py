@@ -179,3 +179,61 @@ def test_charts_paths_says_its_exploration_progress_as_progress_s_asks(tmp_path:
     assert refused.stderr.strip().splitlines() == [
         "calexec charts paths: CALEXEC_PROGRESS_S='soon': must be a number of seconds >= 0 and "
         "at most 1e+06"], refused.stderr
+
+
+GATE = '''
+"""A chart whose module is also the program: `python gate74.py` checks it and exits."""
+import sys
+
+from statemachine import State, StateMachine
+
+
+class Gate(StateMachine):
+    closed = State(initial=True)
+    opened = State()
+
+    open_ = closed.to(opened)
+    close = opened.to(closed)
+
+
+if __name__ == "__main__":
+    gate = Gate()
+    gate.send("open_")
+    ok = gate.opened.is_active
+    gate.send("close")
+    sys.exit(0 if ok and gate.closed.is_active else 1)
+'''
+
+
+@pytest.mark.parametrize("program", [["gate74.py"], ["-m", "gate74"]])
+def test_cover_of_a_chart_run_as_the_main_program_names_no_reference_it_refuses(
+        tmp_path: Path, program: list[str]) -> None:
+    (tmp_path / "gate74.py").write_text(GATE, encoding="utf-8")
+    done = _calexec(["charts", "cover", "--chart", "gate74:Gate", "--", sys.executable,
+                     *program], tmp_path)
+    assert done.returncode == 0, done.stderr
+    # until stop 74: "name the chart as it imports it (--chart=__main__:Gate)", which every
+    # command refuses, `module '__main__' has no attribute 'Gate'`, exit 2
+    assert "--chart=__main__" not in done.stdout, done.stdout
+    assert ("transition coverage Gate: the command ran its file as its main program (python "
+            "gate74.py: module '__main__'), another class whose runs are not counted, and no "
+            "--chart names a main program: run those checks from a test or script that "
+            "imports gate74 (from gate74 import Gate), or move the __main__ block into a file "
+            "of its own") in done.stdout, done.stdout
+    assert "transition coverage Gate: 0/2 (0.0 %)" in done.stdout
+
+
+def test_mutate_of_a_chart_run_as_the_main_program_says_why_no_mutant_applies(
+        tmp_path: Path) -> None:
+    (tmp_path / "gate74.py").write_text(GATE, encoding="utf-8")
+    done = _calexec(["charts", "mutate", "gate74:Gate", "--test-cmd", "python gate74.py",
+                     "--jobs", "1", "--json"], tmp_path)
+    hint = ("the command runs gate74.py as its main program, module '__main__': a class of "
+            "its own, which no mutant reaches (and no --chart names): run the checks from a "
+            "test or script that imports gate74, or move the __main__ block into a file of "
+            "its own")
+    # until stop 74 each mutant's error said to "give --chart as they import it", and the
+    # warning to "Give --chart as the tests import it": __main__:Gate, refused
+    assert "The " + hint[4:] in done.stderr, done.stderr
+    assert hint in done.stdout and "give --chart as they import it" not in done.stdout, (
+        done.stdout)

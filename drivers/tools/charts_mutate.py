@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -469,13 +470,40 @@ def _on_sigterm_interrupt() -> Any:
     return signal.signal(signal.SIGTERM, interrupt)
 
 
+def runs_as_main(command: Sequence[str], cwd: Path, declaration: type) -> str | None:
+    """The word of ``command`` that runs the file declaring ``declaration`` as the main
+    program (``python door.py``, ``python -m door``): its chart is then module ``__main__``'s,
+    another class than the one ``--chart`` names, which no mutant reaches; None when no word
+    does."""
+    module = sys.modules.get(declaration.__module__)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    words = list(command[1:])
+    for index, word in enumerate(words):
+        if word == "-m" and index + 1 < len(words) and words[index + 1] == declaration.__module__:
+            return f"-m {words[index + 1]}"
+        if word.endswith(".py"):
+            with contextlib.suppress(OSError):
+                if os.path.samefile(cwd / word, path):
+                    return word
+    return None
+
+
+def _main_hint(module: str, main: str) -> str:
+    return (f"the command runs {main} as its main program, module '__main__': a class of its "
+            f"own, which no mutant reaches (and no --chart names): run the checks from a test "
+            f"or script that imports {module}, or move the __main__ block into a file of its own")
+
+
 def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
-           error_codes: set[int], module: str = "") -> None:
+           error_codes: set[int], module: str = "", main: str | None = None) -> None:
     outcome.exit_code = code
     if not applied:
         outcome.status, outcome.how = "error", (
             "mutant never applied: the command did not import the chart"
-            + (f" (module {module!r}; a file its tests import under another module name is "
+            + (f" (module {module!r}; {_main_hint(module, main)})" if module and main else
+               f" (module {module!r}; a file its tests import under another module name is "
                f"another class: give --chart as they import it)" if module else ""))
     elif code is None:
         outcome.status, outcome.how = "killed", "timeout"
@@ -813,11 +841,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, chart in ((name, chart) for name, in_module in modules.items()
                             for chart in in_module):
             if chart.name in unseen:
+                main = runs_as_main(command, cwd, chart.declaration)
                 print(f"calexec charts mutate: warning: the unmutated run of --test-cmd never "
                       f"imported module {name!r} (--chart={chart.target!r}): no mutant of "
                       f"{chart.name} can be applied, each will be an error (its mutants stop "
-                      f"running once one is not applied). Give --chart as the tests import it, "
-                      f"or a command that imports it", file=sys.stderr)
+                      f"running once one is not applied). "
+                      + (f"{_main_hint(name, main)[0].upper()}{_main_hint(name, main)[1:]}"
+                         if main else "Give --chart as the tests import it, or a command "
+                         "that imports it"), file=sys.stderr)
         #: charts the unmutated run did not import and whose mutant, run, was not applied
         #: either (an acknowledgement written as the mutant is applied, not at exit: a
         #: process that ends by os._exit, which the import report misses, still writes it):
@@ -827,7 +858,8 @@ def main(argv: list[str] | None = None) -> int:
         def one(index: int, chart: Chart, mutant: mutants_mod.Mutant) -> Outcome:
             outcome = Outcome(chart.name, mutant)
             if chart.name in never_applied:
-                _judge(outcome, None, "", False, error_codes, chart.target.partition(":")[0])
+                _judge(outcome, None, "", False, error_codes, chart.target.partition(":")[0],
+                       runs_as_main(command, cwd, chart.declaration))
                 outcome.how += f"; not run: neither the unmutated run nor mutant " \
                     f"{never_applied[chart.name]} imported it"
                 _progress(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} "
@@ -841,7 +873,8 @@ def main(argv: list[str] | None = None) -> int:
             code, outcome.seconds, output = _run(command, cwd, env, timeout, running)
             applied = ack.is_file() and named in ack.read_text(
                 encoding="utf-8", errors="surrogateescape").splitlines()
-            _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
+            _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0],
+                   None if applied else runs_as_main(command, cwd, chart.declaration))
             if not applied and chart.name in unseen:
                 never_applied.setdefault(chart.name, mutant.id)
             outcome.reason = next((equivalents[(chart.name, known)] for known in (
