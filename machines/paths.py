@@ -602,6 +602,11 @@ class _Graph:
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
+    #: state -> (the configuration a run settled from, the outcomes) of a state entered only
+    #: as a run settles eventless transitions before an event that then takes no transition
+    #: where they led (a final state): no path, made of transitions taken, reaches it
+    settled_only: Mapping[str, tuple[str, Mapping[str, bool]]] = attrs.field(
+        factory=lambda: MappingProxyType({}))
 
     @property
     def start(self) -> _Node:
@@ -731,6 +736,7 @@ def _graph(chart: CompiledChart, limit: int,
     held: dict[str, tuple[int, tuple[_Edge, ...], str]] = {}
     starts: list[_Start] = []
     frontier: deque[_Node] = deque()
+    settled_into: dict[str, tuple[str, Mapping[str, bool]]] = {}
     # the start under every guard holding, then under outcomes that select (or refuse) each
     # guarded eventless or ``done.state`` transition: the start takes those too
     start_variants = deque(_variants(MappingProxyType({}), inner))
@@ -778,10 +784,23 @@ def _graph(chart: CompiledChart, limit: int,
             sends.append((record, selecting, None))
         # an eventless transition waiting here under other outcomes: the next event sent
         # under them takes it first, then that event's transition where it leads
-        for eventless, enabling in _enabling(chart, run.configuration):
+        waiting = deque(_enabling(chart, run.configuration))
+        tried_enabling: list[tuple[int, Mapping[str, bool]]] = []
+        while waiting:
+            eventless, enabling = waiting.popleft()
+            if (eventless.id, enabling) in tried_enabling:
+                continue
+            tried_enabling.append((eventless.id, enabling))
             settled = run.fork()
-            if eventless.id not in {t.id for t in settled.settle(enabling)}:
+            took = settled.settle(enabling)
+            if eventless.id not in {t.id for t in took}:
                 continue  # another eventless transition goes first under these
+            # and the settling stopping before each further guarded transition it took (a
+            # state it leads to that two guarded eventless transitions leave: _stopping)
+            waiting.extend((eventless, refined) for refined in _stopping(enabling, took,
+                                                                          (eventless,)))
+            for state in settled.configuration:
+                settled_into.setdefault(state, (run.state, enabling))
             for record in settled.candidates():
                 if record.event in raised:
                     continue
@@ -827,7 +846,9 @@ def _graph(chart: CompiledChart, limit: int,
                     frontier.append(after)
     entered.update(held)
     graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
-                   MappingProxyType(rank), ordered)
+                   MappingProxyType(rank), ordered, MappingProxyType(
+                       {state: how for state, how in settled_into.items()
+                        if state not in entered}))
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
 
@@ -990,10 +1011,27 @@ def _configuration_walks(chart: CompiledChart, limit: int) -> dict[str, Walk]:
         into = [t for t in chart.transitions if t.target in missing]
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}"
-                         f"{_left_at_once(chart, into)}")
+                         f"{_left_at_once(chart, into)}{_settled_only(graph, missing)}")
     _refuse_out_of_finals(chart, graph)
     return {state: _walk(entered[state][1], entered[state][2], graph.starts[entered[state][0]])
             for state in chart.states}
+
+
+def _settled_only(graph: _Graph, missing: list[str]) -> str:
+    """Why states of ``missing`` that a run enters by eventless transitions alone (before an
+    event that then takes no transition) have no path."""
+    found = [state for state in dict.fromkeys(missing) if state in graph.settled_only]
+    if not found:
+        return ""
+    state = found[0]
+    source, outcomes = graph.settled_only[state]
+    shown = ", ".join(name if value else f"!{name}" for name, value in outcomes.items())
+    them = "them" if len(found) > 1 else "it"
+    return (f" by a step that takes a transition ({', '.join(found)}: entered only as a run in "
+            f"{source} takes eventless transitions before the next event sent, under [{shown}] "
+            f"for {state}, and that event then takes no transition there: a path is made of "
+            f"transitions taken, so none ends there; test {them} with a model of your own "
+            f"that answers so in {source}, sending any event)")
 
 
 def _configuration_paths(chart: CompiledChart, limit: int) -> list[Path]:
@@ -1004,7 +1042,8 @@ def _configuration_paths(chart: CompiledChart, limit: int) -> list[Path]:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
                          f"{_only_at_start(chart, graph, never)}{_left_at_once(chart, never)}"
-                         f"{_left_first(chart, graph, never)}")
+                         f"{_left_first(chart, graph, never)}"
+                         f"{_settled_only(graph, [t.target for t in never])}")
     _refuse_out_of_finals(chart, graph)
     paths = []
     for transition in chart.transitions:
