@@ -1145,7 +1145,8 @@ def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition])
     """Why a transition out of a state the chart's start enters and at once leaves by a
     guarded eventless transition may be in ``never``: the start selects that one before any
     step, and no start explored (every guard holding, or outcomes selecting or refusing one
-    guarded eventless transition at a time) selects it."""
+    guarded eventless transition at a time, then stopping short of each one it took:
+    ``_stopping``) selects it."""
     leaving = [chart.transitions[i] for i in sorted(graph.at_start)]
     reasons = []
     for transition in never:
@@ -1157,8 +1158,9 @@ def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition])
             reasons.append(f"; {_describe(transition)}: out of {transition.source}, which the "
                            f"chart's start enters and leaves at once by {_describe(left)} "
                            f"(no start paths explore takes it: they set outcomes before the "
-                           f"start for one guarded eventless transition at a time): drive it "
-                           f"with a model of your own")
+                           f"start selecting or refusing one guarded eventless transition at "
+                           f"a time, then stopping short of each one it took): drive it with a "
+                           f"model of your own")
     return "".join(reasons)
 
 
