@@ -686,25 +686,35 @@ def _inner_guarded(transition: Transition) -> bool:
             and bool(transition.conds or transition.unless))
 
 
+#: outcomes to try, and the position in the guarded macrostep transitions they take from which
+#: to refine them further (``_stopping``)
+_Refinable = tuple[Mapping[str, bool], int]
+
+
 def _stopping(outcomes: Mapping[str, bool], taken: Iterable[Transition],
-              keep: Iterable[Transition] = ()) -> list[Mapping[str, bool]]:
+              keep: Iterable[Transition] = (), after: int = 0,
+              before: int | None = None) -> list[_Refinable]:
     """``outcomes`` with one guard more fixed to refuse each guarded eventless or
-    ``done.state`` transition of ``taken`` (but those of ``keep``), where they leave a way to:
-    the macrostep then stops before it. A state with two guarded eventless transitions out
-    (``fermenting.to(bottled, cond="fermented")``, ``fermenting.to(spoiled,
-    cond="is_contaminated")``) is stayed in only under outcomes refusing both, which no merge
-    of one transition's outcomes (``_variants``) gives; each refinement fixes a name more, so
-    repeating it ends."""
+    ``done.state`` transition of ``taken`` (but those of ``keep``) from position ``after`` of
+    them on, where they leave a way to: the macrostep then stops before it. A state with two
+    guarded eventless transitions out (``fermenting.to(bottled, cond="fermented")``,
+    ``fermenting.to(spoiled, cond="is_contaminated")``) is stayed in only under outcomes
+    refusing both, which no merge of one transition's outcomes (``_variants``) gives. Each
+    comes with its position: a macrostep under it takes the same guarded transitions before
+    it, which its parent refined already, so it is refined from there on (refining them all
+    again made as many outcomes as subsets of a chain's guards: minutes for 12 states), and
+    up to position ``before`` (None: to the end)."""
     kept = {t.id for t in keep}
-    found: list[Mapping[str, bool]] = []
-    for transition in taken:
-        if transition.id in kept or not _inner_guarded(transition):
+    found: list[_Refinable] = []
+    guarded = [t for t in taken if t.id not in kept and _inner_guarded(t)]
+    for position, transition in enumerate(guarded):
+        if position < after or (before is not None and position >= before):
             continue
         refused = _solve(dict(outcomes), (_refusals(transition),))
         if refused is not None and refused != dict(outcomes):
             merged = MappingProxyType(refused)
-            if merged not in found:
-                found.append(merged)
+            if all(merged != known for known, _ in found):
+                found.append((merged, position))
     return found
 
 
@@ -739,20 +749,23 @@ def _graph(chart: CompiledChart, limit: int,
     settled_into: dict[str, tuple[str, Mapping[str, bool]]] = {}
     # the start under every guard holding, then under outcomes that select (or refuse) each
     # guarded eventless or ``done.state`` transition: the start takes those too
-    start_variants = deque(_variants(MappingProxyType({}), inner))
+    start_variants: deque[_Refinable] = deque(
+        (variant, 0) for variant in _variants(MappingProxyType({}), inner))
     tried_starts: list[Mapping[str, bool]] = []
     while start_variants:
-        start_outcomes = start_variants.popleft()
+        start_outcomes, start_after = start_variants.popleft()
         if start_outcomes in tried_starts:
             continue
         tried_starts.append(start_outcomes)
         start = StatechartRun.skeleton(chart, start_outcomes)
-        # and the start stopping before each guarded transition it took (below)
-        start_variants.extend(_stopping(start_outcomes, start.taken_at_start))
         begun = _Start(start_outcomes, frozenset(t.id for t in start.taken_at_start),
                        _node(start, rank, ordered), start.state)
         if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
             continue  # this start went as one before, whatever these outcomes
+        # and a start stopping before each guarded transition this one took (refined only
+        # where the start went a new way: refining every outcome that went one way again
+        # made as many outcomes as subsets of a chain's guards)
+        start_variants.extend(_stopping(start_outcomes, start.taken_at_start, (), start_after))
         if not start.configuration or _orphans(chart, start.configuration):
             raise ValueError(_emptied(chart, start.taken_at_start, None, (),
                                       start.configuration))
@@ -784,10 +797,12 @@ def _graph(chart: CompiledChart, limit: int,
             sends.append((record, selecting, None))
         # an eventless transition waiting here under other outcomes: the next event sent
         # under them takes it first, then that event's transition where it leads
-        waiting = deque(_enabling(chart, run.configuration))
+        waiting: deque[tuple[Transition, Mapping[str, bool], int]] = deque(
+            (eventless, enabling, 0) for eventless, enabling in _enabling(chart, run.configuration))
         tried_enabling: list[tuple[int, Mapping[str, bool]]] = []
+        settled_ways: set[tuple[int, frozenset[int], _Node]] = set()
         while waiting:
-            eventless, enabling = waiting.popleft()
+            eventless, enabling, settle_after = waiting.popleft()
             if (eventless.id, enabling) in tried_enabling:
                 continue
             tried_enabling.append((eventless.id, enabling))
@@ -795,10 +810,15 @@ def _graph(chart: CompiledChart, limit: int,
             took = settled.settle(enabling)
             if eventless.id not in {t.id for t in took}:
                 continue  # another eventless transition goes first under these
+            settled_way = (eventless.id, frozenset(t.id for t in took),
+                           _node(settled, rank, ordered))
+            if settled_way in settled_ways:
+                continue  # settled so before, whatever these outcomes
+            settled_ways.add(settled_way)
             # and the settling stopping before each further guarded transition it took (a
             # state it leads to that two guarded eventless transitions leave: _stopping)
-            waiting.extend((eventless, refined) for refined in _stopping(enabling, took,
-                                                                          (eventless,)))
+            waiting.extend((eventless, refined, position) for refined, position in _stopping(
+                enabling, took, (eventless,), settle_after))
             for state in settled.configuration:
                 settled_into.setdefault(state, (run.state, enabling))
             for record in settled.candidates():
@@ -807,12 +827,14 @@ def _graph(chart: CompiledChart, limit: int,
                 selecting = _selected(chart, record, settled.configuration, enabling)
                 if selecting is not None:
                     sends.append((record, selecting, eventless))
-        went: set[tuple[int, frozenset[int], _Node]] = set()
+        #: each way an event went from here -> the position its refinements began at
+        went: dict[tuple[int, frozenset[int], _Node], int] = {}
         for record, selecting, first in sends:
-            variants = deque(_variants(selecting, inner))
+            variants: deque[_Refinable] = deque(
+                (variant, 0) for variant in _variants(selecting, inner))
             tried: list[Mapping[str, bool]] = []
             while variants:
-                outcomes = variants.popleft()
+                outcomes, refine_after = variants.popleft()
                 if outcomes in tried:
                     continue
                 tried.append(outcomes)
@@ -820,16 +842,22 @@ def _graph(chart: CompiledChart, limit: int,
                 forced = twin.force(record, outcomes)
                 if forced is None:  # another region's transition preempts it under these
                     continue
-                # and the macrostep stopping before each guarded transition it took
-                variants.extend(_stopping(outcomes, forced,
-                                          (record,) if first is None else (record, first)))
                 taken = frozenset(t.id for t in forced)
                 if first is not None and first.id not in taken:
                     continue  # under these the run does not take ``first`` before the event
                 after = _node(twin, rank, ordered)
-                if (record.id, taken, after) in went:  # the same whatever these guards
+                keep = (record,) if first is None else (record, first)
+                refined_from = went.get((record.id, taken, after))
+                if refined_from is not None:  # the same whatever these guards
+                    if refine_after < refined_from:  # refined from further on only: the rest
+                        variants.extend(_stopping(outcomes, forced, keep, refine_after,
+                                                  refined_from))
+                        went[(record.id, taken, after)] = refine_after
                     continue
-                went.add((record.id, taken, after))
+                went[(record.id, taken, after)] = refine_after
+                # and the macrostep stopping before each guarded transition it took (refined
+                # only where it went a new way, as the start)
+                variants.extend(_stopping(outcomes, forced, keep, refine_after))
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
                 if not twin.configuration or _orphans(chart, twin.configuration):

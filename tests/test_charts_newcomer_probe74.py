@@ -281,3 +281,38 @@ def test_a_state_settled_into_by_eventless_transitions_is_reached_or_named_why_n
     model.outcomes = {"p": True, "q": False, "r": False}
     machine.send("e")
     assert [state.id for state in machine.configuration] == ["done"]
+
+
+def _chain(length: int) -> type:
+    """``go`` into ``s0``; each ``s<i>`` left by two guarded eventless transitions, on to
+    ``s<i+1>`` under ``g<i>`` or to ``bad`` under ``h<i>``, and poked by an internal event."""
+    body: dict[str, object] = {"idle": State(initial=True), "bad": State(final=True),
+                               "end": State(final=True)}
+    states = [State() for _ in range(length + 1)]
+    body.update({f"s{i}": state for i, state in enumerate(states)})
+    body["go"] = body["idle"].to(states[0])  # type: ignore[attr-defined]
+    for i in range(length):
+        states[i].to(states[i + 1], cond=f"g{i}")  # eventless: bound to no name
+        states[i].to(body["bad"], cond=f"h{i}")  # type: ignore[arg-type]
+        body[f"poke{i}"] = states[i].to.itself(internal=True)
+    body["fin"] = states[length].to(body["end"])
+    return type("Chain", (StateChart,), body)
+
+
+def test_a_chain_of_states_each_left_by_guarded_eventless_transitions_has_every_path() -> None:
+    # each state of the chain is held only under outcomes refusing both transitions out of it
+    # after taking every `g` before it: until stop 74 no poke had a path (exit 2); refining
+    # every outcome again at every way the macrostep went took minutes for 12 states (as many
+    # outcomes as subsets of the chain's guards), so each is refined from where it diverged
+    chain = _chain(12)
+    taking = {p.transition.event: p for p in transition_paths(chain)}
+    assert {f"poke{i}" for i in range(12)} <= set(taking)
+    for i in (0, 5, 11):
+        walk = taking[f"poke{i}"]
+        assert walk.end == f"s{i}"
+        # (sent in s<i>: neither transition out of it taken first)
+        assert {walk.guards[-1][f"g{i}"], walk.guards[-1][f"h{i}"]} == {False}
+    data = as_data(chain)
+    for path, end in zip((t["path"] for t in data["transitions"]), data["ends"]["transitions"],
+                         strict=True):
+        assert _drive_instance(chain, path) == end, path
