@@ -355,10 +355,10 @@ def explore(chart: ChartLike, max_configurations: int | None = None,
     if (isinstance(every_s, bool) or not isinstance(every_s, (int, float))
             or not 0 <= every_s < float("inf")):
         raise ValueError(f"every_s={every_s!r}: expected a finite number of seconds >= 0")
+    limit = configurations_bound(max_configurations)
     if not _by_configuration(chart):
         return 0
-    return len(_graph(chart, configurations_bound(max_configurations), progress,
-                      float(every_s)).edges)
+    return len(_graph(chart, limit, progress, float(every_s)).edges)
 
 
 def state_paths(chart: ChartLike, max_configurations: int | None = None) -> dict[str, Walk]:

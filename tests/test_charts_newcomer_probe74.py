@@ -133,6 +133,8 @@ def test_exploring_a_hierarchical_chart_says_how_far_it_got() -> None:
         explore(StartsFermenting, progress=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every_s="):
         explore(StartsFermenting, every_s=float("nan"))
+    with pytest.raises(ValueError, match="max_configurations=0"):
+        explore(Valve, max_configurations=0)
 
 
 BREWERY = '''
