@@ -609,6 +609,13 @@ def _near_module(root: str, missing: str) -> str:
         names = sorted({module.name for module in pkgutil.iter_modules(where)})
     except OSError:
         return ""
+    if leaf in names:
+        # (pkgutil lists a directory named ``door.py`` as module ``door``, which import does
+        # not find: "No module named 'door'; did you mean 'door'?" until stop 74)
+        shown = next((os.path.join(place, leaf + ".py") for place in where
+                      if os.path.isdir(os.path.join(place, leaf + ".py"))), None)
+        return (f"; {os.path.relpath(shown, root)} there is a directory, not a module file"
+                if shown is not None else "")
     near = _near(leaf, names)
     if near is None:
         return ""

@@ -318,3 +318,15 @@ def test_a_chain_of_states_each_left_by_guarded_eventless_transitions_has_every_
     for path, end in zip((t["path"] for t in data["transitions"]), data["ends"]["transitions"],
                          strict=True):
         assert _drive_instance(chain, path) == end, path
+
+
+def test_a_directory_named_like_the_module_file_is_named_so_not_offered_as_itself(
+        tmp_path: Path) -> None:
+    (tmp_path / "door74.py").mkdir()  # (a checkout gone wrong, an unpacked archive's folder)
+    done = _calexec(["charts", "paths", "door74:Door"], tmp_path)
+    # until stop 74: "No module named 'door74'); did you mean 'door74'?" (pkgutil lists such
+    # a directory as a module of that name, which import does not find)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.strip().endswith(
+        "(ModuleNotFoundError: No module named 'door74'); door74.py there is a directory, not "
+        "a module file"), done.stderr
