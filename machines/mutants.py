@@ -421,6 +421,12 @@ class _Loader(importlib.abc.Loader):
         self.inner.exec_module(module)
         self.callback(module)
 
+    def __getattr__(self, name: str) -> Any:
+        # the rest of the loader's protocol is the inner loader's: ``python -m chart_module``
+        # asks it for ``get_code`` (runpy runs the code itself, as ``__main__``), tools for
+        # ``get_source``, ``is_package``, ``get_resource_reader``
+        return getattr(self.inner, name)
+
 
 def env_value(text: str) -> str:
     """``text`` as an environment value holding its UTF-8 bytes, whatever this process's

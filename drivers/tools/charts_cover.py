@@ -25,6 +25,7 @@ This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
