@@ -29,6 +29,7 @@ from test_server_support import (  # noqa: E402
     metric_value,
     oracle_tokens,
     stepped_server,
+    wait_device_idle,
     wait_for,
 )
 
@@ -76,14 +77,7 @@ def assert_all_back(service, executor, device: bool = True) -> None:
     assert service.admission.waiting == 0
     if not device:
         return
-
-    def device_idle() -> bool:
-        snap = executor.snapshot()
-        slots = snap["slots"]
-        return (snap["inflight"] == 0 and snap["queued"] == 0 and not snap["kv_sequences"]
-                and snap["kv_blocks_reserved"] == 0 and snap["pending_tokens"] == 0
-                and slots["Leased"] == 0 and slots["InFlight"] == 0 and slots["Quarantined"] == 0)
-    wait_for(device_idle, WAIT_S, "every slot free, no KV sequence or job left")
+    wait_device_idle(executor, WAIT_S)
 
 
 # ---- waiting for admission -------------------------------------------------------------------

@@ -40,6 +40,7 @@ from test_server_support import (  # noqa: E402
     read_until_closed,
     stalled_client,
     started_executor,
+    wait_device_idle,
     wait_for,
 )
 
@@ -92,14 +93,7 @@ def assert_all_back(service, executor, device: bool = True) -> None:
     assert metric_value(text, "calexec_responses_send_waiting") in (0, None)
     if not device:
         return
-
-    def device_idle() -> bool:
-        snap = executor.snapshot()
-        slots = snap["slots"]
-        return (snap["inflight"] == 0 and snap["queued"] == 0 and not snap["kv_sequences"]
-                and snap["kv_blocks_reserved"] == 0 and snap["pending_tokens"] == 0
-                and slots["Leased"] == 0 and slots["InFlight"] == 0 and slots["Quarantined"] == 0)
-    wait_for(device_idle, WAIT_S, "every slot free, no KV sequence or job left")
+    wait_device_idle(executor, WAIT_S)
 
 
 def no_traceback(caplog) -> None:

@@ -137,16 +137,10 @@ def test_the_api_floor_refuses_seconds_not_in_ascii(capsys):
 def server(tmp_path_factory):
     import needs
     needs.module("httpx", "server")
-    from calexec.drivers.serving.server import create_app
-    from calexec.drivers.serving.service import ServerConfig
-    from test_server_support import LiveServer, started_executor
+    from test_server_support import openai_server
 
-    executor = started_executor(tmp_path_factory.mktemp("left74"))
-    try:
-        with LiveServer(create_app(executor, ServerConfig())) as live:
-            yield live.url
-    finally:
-        executor.shutdown(5.0)
+    with openai_server(tmp_path_factory.mktemp("left74")) as (live, _, _):
+        yield live.url
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, dict]:

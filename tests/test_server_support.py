@@ -250,6 +250,18 @@ def server_idle(service) -> bool:
             and service.releases_pending == 0)
 
 
+def wait_device_idle(executor: DeviceExecutor, timeout: float) -> None:
+    """Wait (bounded) until ``executor`` holds nothing: no job in flight or queued, no KV
+    sequence or reserved block, no pending token, every buffer slot free."""
+    def device_idle() -> bool:
+        snap = executor.snapshot()
+        slots = snap["slots"]
+        return (snap["inflight"] == 0 and snap["queued"] == 0 and not snap["kv_sequences"]
+                and snap["kv_blocks_reserved"] == 0 and snap["pending_tokens"] == 0
+                and slots["Leased"] == 0 and slots["InFlight"] == 0 and slots["Quarantined"] == 0)
+    wait_for(device_idle, timeout, "every slot free, no KV sequence or job left")
+
+
 def slow_stream(*chunks: bytes) -> tuple[Callable, dict[str, bool]]:
     """An ASGI app (a sibling replica's, say) that reads the request, sends a 200 and
     ``chunks`` (more to come), then waits for the next message: and the state it fills in,
