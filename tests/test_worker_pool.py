@@ -60,10 +60,12 @@ def test_every_call_runs_once_with_its_result_or_exception():
 def test_the_submitting_thread_never_starts_a_thread():
     """Eight blocking calls at once on a pool of eight: every worker is started by the pool's
     keeper, none by the thread that submits (which before stop 70, a ``ThreadPoolExecutor``'s
-    submit, started each itself)."""
+    submit, started each itself). The pool's name is its own: the starts are the whole
+    process's, and a pool of another test of this file closed just before may still start a
+    worker asked of its keeper (a CI run saw a ``t-pool_2`` of an earlier pool here)."""
     gate = threading.Event()
     with recording_thread_starts() as starts:
-        pool = WorkerPool(8, "t-pool")
+        pool = WorkerPool(8, "t-starts")
         try:
             running = threading.Barrier(9, timeout=WAIT_S)
             futures = [pool.submit(lambda: (running.wait(), gate.wait(WAIT_S))[1])
@@ -76,10 +78,10 @@ def test_the_submitting_thread_never_starts_a_thread():
             pool.shutdown()
     me = threading.current_thread()
     by_me = [started.name for starter, started in starts.starts if starter is me]
-    assert by_me == ["t-pool-keeper"], by_me
+    assert by_me == ["t-starts-keeper"], by_me
     workers = [(starter.name, started.name) for starter, started in starts.starts
-               if started.name.startswith("t-pool_")]
-    assert len(workers) == 8 and {s for s, _ in workers} == {"t-pool-keeper"}, workers
+               if started.name.startswith("t-starts_")]
+    assert len(workers) == 8 and {s for s, _ in workers} == {"t-starts-keeper"}, workers
 
 
 def test_at_most_max_workers_and_a_call_waits_for_a_free_one():
