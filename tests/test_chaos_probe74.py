@@ -71,6 +71,16 @@ def served(tmp_path, executor_config: dict | None = None, serve_like: bool = Fal
         executor.shutdown(5.0)
 
 
+def reloading(url: str, calbin: str) -> tuple[threading.Thread, list]:
+    """``POST /admin/reload`` of ``calbin`` from a thread (started): the thread and the list
+    its response is appended to."""
+    answers: list = []
+    thread = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{url}/admin/reload", json={"calbin": calbin}, headers=AUTH, timeout=WAIT_S)))
+    thread.start()
+    return thread, answers
+
+
 def cancel(url: str, ident: str) -> httpx.Response:
     return httpx.post(f"{url}/admin/cancel/{ident}", headers=AUTH, timeout=WAIT_S)
 
@@ -283,11 +293,7 @@ def test_a_cancel_raced_with_a_model_switch(tmp_path, caplog):
             headers={"x-request-id": "switch-74"}, timeout=WAIT_S)))
         thread.start()
         wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the request's job held")
-        reload: list = []
-        switch = threading.Thread(target=lambda: reload.append(httpx.post(
-            f"{server.url}/admin/reload", json={"calbin": executor.gen.calbin_path},
-            headers=AUTH, timeout=WAIT_S)))
-        switch.start()
+        switch, reload = reloading(server.url, executor.gen.calbin_path)
         answer = cancel(server.url, "switch-74")
         assert answer.status_code in (202, 404), answer.text
         assert emu.set_stepped(False) == 0
@@ -730,11 +736,7 @@ def test_a_stream_cancelled_while_a_model_switch_replaces_its_generation(tmp_pat
                           {"prompt": PROMPT, "max_tokens": 40, "stream": True}, "switch-s-74")
         step_until_first_event(emu, stream)
         wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "the next job held")
-        reload: list = []
-        switch = threading.Thread(target=lambda: reload.append(httpx.post(
-            f"{server.url}/admin/reload", json={"calbin": executor.gen.calbin_path},
-            headers=AUTH, timeout=WAIT_S)))
-        switch.start()
+        switch, reload = reloading(server.url, executor.gen.calbin_path)
         answer = cancel(server.url, "switch-s-74")
         assert answer.status_code == 202, answer.text
         stream.join()

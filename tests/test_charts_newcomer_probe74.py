@@ -7,6 +7,7 @@ command and the API, and at what it gets wrong."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -137,28 +138,8 @@ def test_exploring_a_hierarchical_chart_says_how_far_it_got() -> None:
         explore(Valve, max_configurations=0)
 
 
-BREWERY = '''
-from statemachine import State, StateChart
-
-
-class Brewery(StateChart):
-    class mashing(State.Compound):
-        heating = State(initial=True)
-        mashed = State(final=True)
-        heat_done = heating.to(mashed)
-
-    class fermenting(State.Compound):
-        primary = State(initial=True)
-        fermented_out = State(final=True)
-        primary.to(fermented_out, cond="fermented")
-
-    spoiled = State(final=True)
-    bottled = State(final=True)
-    done_state_mashing = mashing.to(fermenting)
-    done_state_fermenting = fermenting.to(bottled)
-    fermenting.to(spoiled, cond="is_contaminated")
-    sample = fermenting.to.itself(internal=True)
-'''
+#: the module ``brewery74`` the CLI tests write: the same ``Brewery`` as above
+BREWERY = "from statemachine import State, StateChart\n\n\n" + inspect.getsource(Brewery)
 
 
 def _calexec(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
