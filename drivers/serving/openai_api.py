@@ -1453,15 +1453,16 @@ class ChatPath:
     ``answer(request, chat_body, response_id, prompt_param, max_tokens_param)`` the chat's
     answer to it, as ``/v1/chat/completions`` gives it; ``refused(err)`` a refusal's error response, counted
     as a failed request; ``answered(err)`` one that is no generation's, not counted;
-    ``count(chat_body)`` its prompt tokens."""
+    ``count(request, chat_body)`` its prompt tokens."""
 
     read: Callable[[Request, type[Any]], Coroutine[Any, Any, Any]]
     answer: Callable[..., Coroutine[Any, Any, Response]]
     refused: Callable[[Refusal], Response]
     answered: Callable[[Refusal], Response]
     #: the prompt tokens a chat body is admitted with (its messages and tools rendered as the
-    #: chat route renders them), nothing generated; :class:`Refusal` as the chat route's
-    count: Callable[[ChatRequest], int]
+    #: chat route renders them), nothing generated; :class:`Refusal` as the chat route's (its
+    #: tools and ``response_format`` checked and compiled as the answer's: ``planned``)
+    count: Callable[[Request, ChatRequest], Coroutine[Any, Any, int]]
 
 
 def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
@@ -1782,11 +1783,7 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             choices_refusal(1, body.n, config.max_choices)
             params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
                                      config.end_token_id)
-            tools = structure(grammar.tool_setup, body.tools, body.tool_choice)
-            given = (grammar.chat_structure, body.response_format, tools,
-                     body.parallel_tool_calls)
-            plan = (structure(*given) if body.response_format is None and not body.tools
-                    else await compiled(request, body.timeout, *given))
+            tools, plan = await planned(request, body)
             if plan is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=plan)
             ids = chat_prompt(body, tools)
@@ -1822,8 +1819,22 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         return truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
                          body.truncate_prompt_tokens)
 
-    def count(body: ChatRequest) -> int:
-        return len(chat_prompt(body, structure(grammar.tool_setup, body.tools, body.tool_choice)))
+    async def planned(request: Request, body: ChatRequest
+                      ) -> tuple[grammar.ToolSetup | None, Any]:
+        """The chat ``body``'s checked tools and the structure its answer is generated under
+        (its ``response_format`` and tools, compiled: :func:`compiled`; None without them), or
+        :class:`Refusal` naming the field."""
+        tools = structure(grammar.tool_setup, body.tools, body.tool_choice)
+        given = (grammar.chat_structure, body.response_format, tools, body.parallel_tool_calls)
+        return tools, (structure(*given) if body.response_format is None and not body.tools
+                       else await compiled(request, body.timeout, *given))
+
+    async def count(request: Request, body: ChatRequest) -> int:
+        """The prompt tokens the chat ``body`` is admitted with, its tools and structure
+        checked as its answer checks them (until stop 75 only the tools' names and shapes: a
+        ``response_format`` or tool schema the answer refuses was counted, 200)."""
+        tools, _ = await planned(request, body)
+        return len(chat_prompt(body, tools))
 
     async def read_body(request: Request, model: type[Body]) -> Body:
         """:func:`read` of a generation's body (``admits``), for a route of its own module."""

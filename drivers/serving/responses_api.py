@@ -924,7 +924,7 @@ def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
         /v1/responses' own, not counted as failed requests."""
         try:
             body = await chat.read(request, InputTokensRequest)
-            count = chat.count(counted_body(body))
+            count = await chat.count(request, counted_body(body))
         except Refusal as err:
             return chat.answered(responses_refusal(err))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
