@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from test_server_support import live_fixture  # noqa: F401 - the ``live`` fixture
+from test_server_support import serve_like_fixture  # noqa: F401 - the ``serve_like`` fixture
+from test_server_support import send_raw, split_head
 
 FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
@@ -62,3 +64,27 @@ def test_input_tokens_counts_a_valid_text_format_and_tools_as_responses_admit_th
     assert answered.status_code == 200, answered.text[:300]
     assert counted.status_code == 200, counted.text[:300]
     assert counted.json()["input_tokens"] == answered.json()["usage"]["input_tokens"] > 0
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/completions#x", "/v1/completions?#", "/health#frag", "http://127.0.0.1/v1/completions#x",
+], ids=["fragment", "empty-query-and-fragment", "get-route", "absolute-form"])
+def test_a_request_target_with_a_fragment_is_refused(serve_like, target):
+    """A request target holding a fragment (``POST /v1/completions#x``; RFC 9112 section 3.2:
+    the origin and absolute forms have none, a client strips it before sending, RFC 9110
+    section 7.1) was served as the path before the ``#`` (uvicorn's URL parser drops the
+    fragment), so a proxy in front matching exact paths (refusing ``/admin/reload``) passed
+    ``/admin/reload#x`` on to the route, as it did ``%2F`` and ``%0A`` until stops 64 and 72.
+    It is the OpenAI-shaped 400 ``request.malformed_http`` naming the fragment, nothing run."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    method = "GET" if target.startswith("/health") else "POST"
+    data, _ = send_raw(serve_like.port, (
+        f"{method} {target} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body) if method == 'POST' else 0}\r\nconnection: close\r\n\r\n"
+    ).encode() + (body if method == "POST" else b""))
+    status, headers, answer = split_head(data)
+    assert status == b"HTTP/1.1 400 Bad Request", data[:400]
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request.malformed_http", error
+    assert "fragment" in error["message"] and "#" in error["message"], error
+    assert headers.get("x-request-id"), headers
