@@ -5,14 +5,25 @@ executor on the bundled emulator behind ``create_app``; every wait bounded."""
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import pytest
 
 from test_server_support import live_fixture  # noqa: F401 - the ``live`` fixture
 from test_server_support import serve_like_fixture  # noqa: F401 - the ``serve_like`` fixture
-from test_server_support import send_raw, split_head
+from test_server_support import (
+    busy_engine,
+    send_raw,
+    server_idle,
+    split_head,
+    stepped_server,
+    wait_device_idle,
+    wait_for,
+)
 
+TOKEN = "probe75-admin"
+WAIT_S = 30.0
 FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 
 
@@ -88,3 +99,39 @@ def test_a_request_target_with_a_fragment_is_refused(serve_like, target):
     assert error["code"] == "request.malformed_http", error
     assert "fragment" in error["message"] and "#" in error["message"], error
     assert headers.get("x-request-id"), headers
+
+
+@pytest.mark.parametrize(("x_request_id", "written"), [
+    ("job/42", "job%2F42"), ("job/42", "job%2f42"), ("..", "%2e%2e"), ("a/./b", "a%2F.%2Fb"),
+], ids=["encoded-slash", "lower-case-escape", "dot-segment", "slash-and-dot"])
+def test_a_request_is_cancelled_by_an_x_request_id_written_with_escapes(tmp_path, x_request_id,
+                                                                        written):
+    """``POST /admin/cancel/{id}`` takes a request's ``X-Request-Id`` (docs/server.md: 1 to 128
+    printable ASCII characters, ``/`` among them), and its route's parameter takes a slash;
+    but a client escaping the id as a path segment (``urllib.parse.quote(id, safe="")``,
+    ``job%2F42``) was answered 404 ``id="job%2F42": no request in progress has this ...``
+    and the request ran on: the escape of a slash or a dot segment was kept as sent outside
+    the model id (stop 64's rule against ``/admin%2Freload``), the one parameter allowed a
+    decoded slash. The cancel's id now is a parameter that takes one too, so the request is
+    found by its id and cancelled (202, the client answered 409 ``request.aborted``)."""
+    with stepped_server(tmp_path, admin_token=TOKEN) as (server, service, executor):
+        emu = executor.device.emu
+        assert emu.set_stepped(True) == 0
+        out: list = []
+        thread = threading.Thread(target=lambda: out.append(httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 40},
+            headers={"x-request-id": x_request_id}, timeout=WAIT_S)))
+        thread.start()
+        try:
+            wait_for(lambda: busy_engine(emu) is not None, WAIT_S, "a job held on the device")
+            answer = httpx.post(f"{server.url}/admin/cancel/{written}", timeout=WAIT_S,
+                                headers={"authorization": f"Bearer {TOKEN}"})
+        finally:
+            assert emu.set_stepped(False) == 0
+            thread.join(WAIT_S)
+        assert answer.status_code == 202, answer.text
+        assert answer.json()["x_request_id"] == x_request_id, answer.json()
+        assert out[0].status_code == 409, out[0].text
+        assert out[0].json()["error"]["code"] == "request.aborted", out[0].text
+        wait_for(lambda: server_idle(service), WAIT_S, "every sequence id back")
+        wait_device_idle(executor, WAIT_S)

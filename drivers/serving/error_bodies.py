@@ -187,7 +187,7 @@ def encoded_separator(path: str) -> str | None:
     if "%2f" in lowered or any(segment.replace("%2e", ".") in (".", "..")
                                for segment in lowered.split("/") if "%2e" in segment):
         return ("an encoded slash (%2F) or dot segment (%2E) separates no path segments "
-                "here (only in a model id: /v1/models/{model})")
+                "here (only in a model id, /v1/models/{model}, and the id of /admin/cancel/{id})")
     return None
 
 

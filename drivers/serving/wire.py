@@ -151,8 +151,11 @@ class RequestIds:
 
 #: the raw path's prefixes (``scope["raw_path"]``) under which an encoded slash (``%2F``) and
 #: an encoded dot segment belong to the path parameter that takes them: a model id
-#: (``/v1/models/{model_id:path}``: ``Qwen%2FQwen3-8B``, as vLLM and HF name models)
-SLASH_PARAMETERS = ("/v1/models/",)
+#: (``/v1/models/{model_id:path}``: ``Qwen%2FQwen3-8B``, as vLLM and HF name models) and the
+#: id an operator cancels (``/admin/cancel/{id:path}``: an ``X-Request-Id`` is any printable
+#: ASCII, ``job/42`` escaped as a path segment is ``job%2F42``; until stop 75 it was looked
+#: for as ``job%2F42``, never found, and the request ran on)
+SLASH_PARAMETERS = ("/v1/models/", "/admin/cancel/")
 _ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
 
 
