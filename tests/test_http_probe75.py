@@ -10,11 +10,11 @@ import threading
 import httpx
 import pytest
 
-from test_server_support import live_fixture  # noqa: F401 - the ``live`` fixture
-from test_server_support import serve_like_fixture  # noqa: F401 - the ``serve_like`` fixture
 from test_server_support import (
     busy_engine,
+    live_fixture,  # noqa: F401 - the ``live`` fixture
     send_raw,
+    serve_like_fixture,  # noqa: F401 - the ``serve_like`` fixture
     server_idle,
     split_head,
     stepped_server,
