@@ -135,3 +135,27 @@ def test_a_request_is_cancelled_by_an_x_request_id_written_with_escapes(tmp_path
         assert out[0].json()["error"]["code"] == "request.aborted", out[0].text
         wait_for(lambda: server_idle(service), WAIT_S, "every sequence id back")
         wait_device_idle(executor, WAIT_S)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"prompt": "hi", "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"content": "hi", "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"content": "hi", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+], ids=["prompt-add-generation-prompt", "content-add-generation-prompt",
+        "prompt-template-kwargs", "content-template-kwargs"])
+def test_tokenize_refuses_a_chat_field_without_messages(live, fields, param):
+    """``POST /tokenize`` refuses the chat's ``tools`` and ``continue_final_message`` given
+    with a ``prompt`` (or llama-server's ``content``), which no chat template renders ("named,
+    not ignored"), but took ``add_generation_prompt: false`` and ``chat_template_kwargs``
+    there and ignored them: the count was the prompt's as if they were unsaid. Each is
+    refused so, naming it; their neutral values (``add_generation_prompt: true``, ``{}``,
+    null) are taken as before."""
+    server, _, _ = live
+    refused = _post(server, "/tokenize", fields)
+    assert refused.status_code == 400, refused.text[:300]
+    error = refused.json()["error"]
+    assert error["param"] == param and "only with messages" in error["message"], error
+    neutral = {**fields, param: True if param == "add_generation_prompt" else {}}
+    assert _post(server, "/tokenize", neutral).status_code == 200
+    assert _post(server, "/tokenize", {**fields, param: None}).status_code == 200

@@ -1851,8 +1851,14 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 raise Refusal(invalid("give exactly one of prompt, content (llama-server) and "
                                       f"messages; got {given or 'none'}"),
                               given[1] if len(given) > 1 else "prompt")
-            for name in ("tools", "continue_final_message"):  # chat's: named, not ignored
-                if getattr(body, name) not in (None, False) and body.messages is None:
+            # chat's fields: named, not ignored (until stop 75 add_generation_prompt: false
+            # and chat_template_kwargs were taken with a prompt and changed nothing)
+            chat_only = {"tools": body.tools not in (None, False),
+                         "continue_final_message": body.continue_final_message,
+                         "add_generation_prompt": not body.add_generation_prompt,
+                         "chat_template_kwargs": bool(body.chat_template_kwargs)}
+            for name, given_here in chat_only.items():
+                if given_here and body.messages is None:
                     raise Refusal(invalid(f"{name}: only with messages (the chat template "
                                           "renders a chat's prompt)"), name)
             text = body.prompt if body.prompt is not None else body.content
