@@ -159,3 +159,26 @@ def test_tokenize_refuses_a_chat_field_without_messages(live, fields, param):
     neutral = {**fields, param: True if param == "add_generation_prompt" else {}}
     assert _post(server, "/tokenize", neutral).status_code == 200
     assert _post(server, "/tokenize", {**fields, param: None}).status_code == 200
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-320, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_token_without_a_floating_point_warning(
+        temperature):
+    """``temperature: 1e-320`` (any number in (0, 2] is taken) made the sampler's
+    ``(x - max) / temperature`` overflow to -inf, the right limit (the most likely token
+    alone keeps its mass), but numpy said so on stderr, ``sampling.py: RuntimeWarning:
+    overflow encountered in divide``, in the server's log for a valid request (and raised it
+    under ``-W error``, a 500 from the worker thread). The overflow is expected there: no
+    warning, the greedy token drawn."""
+    import warnings
+
+    import numpy as np
+
+    from calexec.drivers.serving.sampling import SamplingParams, pick
+
+    logits = np.array([0.5, 3.0, 2.999999, -1.0, 2.5], dtype=np.float32)
+    params = SamplingParams(temperature=temperature, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        token, _ = pick(logits, params, 0)
+    assert token == int(np.argmax(logits)) == 1

@@ -462,13 +462,25 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
     return TokenLogprobs(token, float(lp[token]), best)
 
 
+#: the temperature from which ``(x - max) / temperature`` cannot overflow: a row's logits are
+#: float32 (a difference of at most 6.9e38; 6.9e38 / 1e-200 < 1.8e308). Below it (any
+#: temperature in (0, 2] is taken: 1e-320 too) the quotient may be -inf, the right limit (the
+#: most likely tokens alone keep their mass), which numpy warned of in the server's log
+#: (``RuntimeWarning: overflow encountered in divide``) for a valid request
+_NO_OVERFLOW_TEMPERATURE = 1e-200
+
+
 def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
     x = logits.astype(np.float64)
     ids = None  # None: every token, in id order; else the candidates, most likely first
     if 1 < params.top_k < x.shape[0]:
         ids = _most_likely(x, np.argpartition(-x, params.top_k - 1)[:params.top_k])
         x = x[ids]
-    probs = np.exp((x - x.max()) / params.temperature)
+    if params.temperature >= _NO_OVERFLOW_TEMPERATURE:
+        probs = np.exp((x - x.max()) / params.temperature)
+    else:  # the quotient may overflow to -inf, the right limit: said nowhere (stop 75)
+        with np.errstate(over="ignore"):
+            probs = np.exp((x - x.max()) / params.temperature)
     if params.min_p > 0.0:  # after temperature, as vLLM: below min_p x the top probability
         probs = np.where(probs >= params.min_p, probs, 0.0)  # (the top one's is exp(0) = 1)
     if params.top_p < 1.0:
