@@ -182,3 +182,28 @@ def test_a_tiny_temperature_samples_the_greedy_token_without_a_floating_point_wa
         warnings.simplefilter("error")
         token, _ = pick(logits, params, 0)
     assert token == int(np.argmax(logits)) == 1
+
+
+@pytest.mark.parametrize(("method", "target", "meant"), [
+    ("GET", "//v1/models/calexec-qwen3-synthetic", "/v1/models/calexec-qwen3-synthetic"),
+    ("GET", "/v1//models/calexec-qwen3-synthetic", "/v1/models/calexec-qwen3-synthetic"),
+    ("GET", "/v1/responses//resp_x", "/v1/responses/resp_x"),
+    ("GET", "/v1/responses/resp_x/", "/v1/responses/resp_x"),
+    ("POST", "//admin/cancel/some-id", "/admin/cancel/some-id"),
+], ids=["models-id-doubled-first", "models-id-doubled-inside", "responses-id-doubled",
+        "responses-id-trailing", "cancel-doubled-first"])
+def test_a_slash_slip_before_a_path_parameter_names_the_route_meant(serve_like, method,
+                                                                    target, meant):
+    """A 404 whose path is a route's but for a doubled or trailing slash names the route
+    meant (stop 71: ``POST //v1/completions`` is told ``did you mean /v1/completions?``), but
+    only among the routes without a path parameter: ``GET //v1/models/<id>`` (the SDK's
+    ``models.retrieve`` behind a base URL ending in ``/``), ``/v1/responses//<id>`` and
+    ``POST //admin/cancel/<id>`` were told ``no such route`` alone. The path tidied of its
+    slip is now tried against every route, so each names the route it meant."""
+    data, _ = send_raw(serve_like.port, (
+        f"{method} {target} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 0\r\n"
+        "connection: close\r\n\r\n").encode())
+    status, _, answer = split_head(data)
+    assert status == b"HTTP/1.1 404 Not Found", data[:300]
+    message = json.loads(answer)["error"]["message"]
+    assert f"did you mean {meant}?" in message, message

@@ -248,7 +248,7 @@ def route_error(method: str, path: str, http_status: int,
                                 "with /v1 once, http://HOST:PORT/v1)")
     else:
         why = not_served(path) or encoded_separator(path) or (
-            None if near is None else f"did you mean {near}? (the path differs from it by a "
+            None if near is None else f"did you mean {near[:200]}? (the path differs from it by a "
             "slash: a base URL ending in / joined to a path starting with /, or a trailing /)")
         status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
                                 f"{method} {path}: no such route"

@@ -153,8 +153,17 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         # when its Upgrade is dropped to serve it as a plain request, ``abortable``)
         websocket = "sec-websocket-key" in request.headers or (
             request.headers.get("upgrade", "").lower() == error_bodies.WEBSOCKET)
+        routes = fixed_paths()
+        if exc.status_code == 404 and meant is None:
+            # a slash slip before a path parameter (``//v1/models/<id>``): the tidied path, when
+            # a parameter route takes it, is one the 404 may name (until stop 75 only routes
+            # without a parameter were: ``no such route`` alone)
+            tidied = "/" + "/".join(part for part in path.split("/") if part)
+            tidy = error_bodies.slash_slip(path, [tidied])
+            if tidy is not None and _routed(app, request.scope, tidy) is not Match.NONE:
+                routes.append(tidy)
         return route_error(request.method, request.url.path, exc.status_code,
-                           dict(exc.headers or {}), meant, routes=fixed_paths(),
+                           dict(exc.headers or {}), meant, routes=routes,
                            websocket=websocket)
 
     def fixed_paths() -> list[str]:
