@@ -115,6 +115,10 @@ log = logging.getLogger(__name__)
 LOGPROBS = "message.output_text.logprobs"
 NOTHING_STORED = ("this server stores no responses (store is accepted, nothing is kept): "
                   "send the whole conversation in input")
+#: the 404 of ``POST /v1/responses/{id}/cancel``: OpenAI cancels ``background`` responses only
+NOT_CANCELLABLE = ("this server keeps no responses to cancel (OpenAI cancels a background "
+                   "response, and background is not run here); a request in progress is "
+                   "cancelled by an operator: POST /admin/cancel/{id} with the admin token")
 
 
 class ResponsesRequest(BaseModel):
@@ -929,10 +933,10 @@ def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
             return chat.answered(responses_refusal(err))
         return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
 
-    def not_stored(response_id: str) -> Response:
+    def not_stored(response_id: str, why: str = NOTHING_STORED) -> Response:
         return chat.answered(Refusal(Status.failure(
             "request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
-            f"response {shown(response_id, 80)} not found: {NOTHING_STORED}"),
+            f"response {shown(response_id, 80)} not found: {why}"),
             "response_id", 404))
 
     async def stored(request: Request, response_id: str) -> Response:
@@ -942,9 +946,19 @@ def add_routes(app: FastAPI, owner: RouteService, chat: ChatPath) -> None:
             return chat.answered(auth)
         return not_stored(response_id)
 
+    async def cancel(request: Request, response_id: str) -> Response:
+        """OpenAI's cancel of a ``background`` response, which this server does not run
+        (``background: true`` is refused): no response is kept to cancel. A request in
+        progress is an operator's to cancel, and the 404 says how."""
+        service = owner.service
+        auth = auth_refusal(request, service.config.api_key)
+        if auth is not None:
+            return chat.answered(auth)
+        return not_stored(response_id, NOT_CANCELLABLE)
+
     app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"])
     app.add_api_route("/v1/responses/{response_id}/input_items", stored, methods=["GET"])
-    app.add_api_route("/v1/responses/{response_id}/cancel", stored, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"])
 
 
 async def _relay(chat: wire.BoundedStreamingResponse, events: EventStream

@@ -1,0 +1,35 @@
+"""Stop 75 (lead): the leftovers of the stop's http probe.
+
+``POST /v1/responses/{id}/cancel`` (the openai SDK's ``responses.cancel``) answered the
+stored-response routes' 404, "send the whole conversation in input": advice about a stored
+conversation to a user who wanted a running response to stop. OpenAI cancels ``background``
+responses only, which this server does not run; a request in progress is an operator's to
+cancel (``POST /admin/cancel/{id}``), and the 404 now says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the SDK tests need the [server] extra")
+
+from test_server_support import sdk_client_fixture  # noqa: E402,F401
+
+
+def test_a_responses_cancel_names_the_operators_cancel(client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.cancel("resp_0123")
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert body["param"] == "response_id"
+    assert "POST /admin/cancel/{id}" in body["message"]
+    assert "background" in body["message"]
+    assert "send the whole conversation" not in body["message"]
+
+
+def test_the_stored_response_routes_keep_their_advice(client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve("resp_0123")
+    body = caught.value.body
+    assert isinstance(body, dict)
+    assert "send the whole conversation in input" in body["message"]
