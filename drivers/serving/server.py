@@ -126,7 +126,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"],
-                           expose_headers=["retry-after", wire.REQUEST_ID_HEADER],
+                           # what the SDKs read of an answer: a browser shows a page's script
+                           # no other header (x-should-retry unexposed, the JS SDK in a page
+                           # retried answers the server said no retry fixes, until stop 75)
+                           expose_headers=["retry-after", "x-should-retry",
+                                           wire.REQUEST_ID_HEADER],
                            max_age=600)
     app.add_middleware(AsteriskForm)
     # each completion and chat request counted once, by outcome (calexec_api_requests_total)
