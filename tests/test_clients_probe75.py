@@ -27,8 +27,14 @@ httpx = needs.module("httpx", "server")
 openai = needs.module("openai", "server")
 
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from openai.types import Model  # noqa: E402 - after the extra's check
+from test_clients_probe74 import check_chat, check_completions, check_responses  # noqa: E402
 
 TIMEOUT_S = 30.0
+BODIES = json.loads((Path(__file__).parent / "data" / "clients75" / "bodies.json")
+                    .read_text(encoding="utf-8"))
+LIBRARIES = sorted(k for k in BODIES if not k.startswith("_"))
+CASES = [(library, i) for library in LIBRARIES for i in range(len(BODIES[library]))]
 ORIGIN = "http://app.example"
 #: the response headers a browser lets a page's script read without the server exposing them
 #: (the Fetch standard's CORS-safelisted response header names)
@@ -89,3 +95,94 @@ def test_a_browser_page_s_sdk_sees_that_an_answer_is_not_to_be_retried(cors):
     answer = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert answer.headers["x-request-id"] == json.loads(answer.text)["id"]
+
+
+@pytest.fixture(scope="module", name="plain")
+def plain_fixture(tmp_path_factory):
+    """A loopback server of ``ServerConfig`` defaults."""
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with LiveServer(create_app(executor, ServerConfig())) as server:
+            yield server
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_an_item_reference_is_refused_saying_how_to_send_the_item_itself(plain):
+    """The AI SDK's ``openai(model)`` (``@ai-sdk/openai``'s default, the Responses API) sends an
+    assistant turn of an earlier answer (``messages.push(...result.response.messages)``, a
+    ``useChat`` history) as ``{"type": "item_reference", "id": "msg_..."}`` while its ``store``
+    option is true, its default, whatever the server answered (``store: false``). Nothing is
+    stored here, so the reference stays a 400 naming ``input.N.type``; until stop 75 its
+    message said only that references are not supported, and the user had to find out why
+    their client sent one: it now names the item's id and the setting that sends the item
+    itself (``store: false``; the AI SDK: ``providerOptions.openai.store``)."""
+    row = next(r for r in BODIES["vercel_ai"] if r["call"] == "more.resp.store_true_multiturn"
+               and r["status"] == 400)
+    r = httpx.post(f"{plain.url}{row['path']}", content=json.dumps(row["body"]),
+                   headers=row["headers"], timeout=TIMEOUT_S)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "input.1.type"
+    reference = row["body"]["input"][1]["id"]
+    assert f'id "{reference}"' in error["message"] or json.dumps(reference) in error["message"]
+    assert "store: false" in error["message"] and "providerOptions.openai.store" in \
+        error["message"]
+    # the same conversation with store: false, as the AI SDK then sends it, is answered
+    sent = next(r for r in BODIES["vercel_ai"] if r["call"] == "more.resp.store_false_multiturn"
+                and len(r["body"]["input"]) == 3)
+    assert sent["body"]["input"][1]["role"] == "assistant"
+    r = httpx.post(f"{plain.url}{sent['path']}", content=json.dumps(sent["body"]),
+                   headers=sent["headers"], timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("library", "i"), CASES)
+def test_each_js_clients_recorded_request_is_answered_as_it_reads_it(plain, library, i):
+    """(Not a defect: pins what held.) Every request the JS libraries sent, with the headers
+    they sent, is answered with the status it got when recorded: every answer and chunk valid
+    as the SDK's strict types (the checks of tests/test_clients_probe74.py: one id per answer,
+    ``created`` now, usage adding up, each choice ended once, ``[DONE]`` last, Responses
+    events numbered from 0 ending in one ``response.completed`` or ``response.incomplete``),
+    a refusal OpenAI-shaped and naming the field the library's error reports."""
+    row = BODIES[library][i]
+    content = None if row["body"] is None else json.dumps(row["body"])
+    r = httpx.request(row["method"], f"{plain.url}{row['path']}", content=content,
+                      headers=row["headers"], timeout=TIMEOUT_S)
+    assert r.status_code == row["status"], r.text
+    if r.status_code != 200:
+        error = r.json()["error"]
+        assert error["param"] == row["param"] and error["type"] == "invalid_request_error"
+        assert error["message"] and r.headers["x-request-id"]
+        return
+    if row["method"] == "GET":
+        listed = r.json()
+        models = listed["data"] if "data" in listed else [listed]
+        assert models and all(Model.model_validate(m, strict=True).object == "model"
+                              for m in models)
+        return
+    {"/v1/chat/completions": check_chat, "/v1/completions": check_completions,
+     "/v1/responses": check_responses}[row["path"]](row["body"], r)
+
+
+def test_the_recorded_js_requests_cover_every_library_and_what_they_send():
+    """The data holds what the probe saw each library send: a re-record that lost a library,
+    a route or a field fails here, not silently."""
+    assert LIBRARIES == ["langchain_js", "openai_js", "vercel_ai"]
+    rows = [row for library in LIBRARIES for row in BODIES[library]]
+    agents = {row["headers"].get("user-agent", "").split("/")[0] for row in rows}
+    assert {"OpenAI", "ai", "ai-sdk", "langchainjs-openai"} <= agents
+    sent = {key for row in rows for key in (row["body"] or {})}
+    assert {"max_tokens", "max_output_tokens", "response_format", "text", "tools",
+            "tool_choice", "stream_options", "instructions", "n", "logprobs", "top_logprobs",
+            "stop", "seed", "store", "metadata", "user", "parallel_tool_calls",
+            "include"} <= sent
+    paths = {(row["method"], row["path"]) for row in rows}
+    assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+            ("POST", "/v1/responses"), ("GET", "/v1/models")} <= paths
+    items = {item.get("type") for row in rows if row["path"] == "/v1/responses"
+             and isinstance(row["body"]["input"], list) for item in row["body"]["input"]}
+    assert {"function_call", "function_call_output", "item_reference", "message"} <= items
+    streamed = [row for row in rows if (row["body"] or {}).get("stream")]
+    assert {row["path"] for row in streamed} == {"/v1/chat/completions", "/v1/completions",
+                                                 "/v1/responses"}

@@ -380,6 +380,8 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
             raise refuse(f"input[{i}]: an item needs a type (message, function_call, "
                          "function_call_output) or, for a message, a role ("
                          f"{', '.join(INPUT_ROLES)}); it has neither", f"input.{i}")
+        if kind == "item_reference":
+            raise refuse(item_reference(i, item.get("id")), f"input.{i}.type")
         if keys is None:
             raise refuse(f"input[{i}].type={shown(kind, 80)}: must be one of message, "
                          "function_call, function_call_output (item references and built-in "
@@ -421,6 +423,20 @@ def messages_of(body: ResponsesRequest) -> list[dict[str, Any]]:
         if call_id not in calls:
             raise refuse(orphan_output(i, call_id), f"input.{i}.call_id")
     return messages
+
+
+def item_reference(index: int, reference: Any) -> str:
+    """The refusal of the ``item_reference`` item ``input[index]``: nothing is stored, so the
+    item it names is not here. A client sends one for an item of an earlier answer while its
+    ``store`` is true, whatever the answer said (``store: false``): the AI SDK's ``openai``
+    provider (its Responses default) for every assistant turn of a history it answered, its
+    ``store`` option true unless given; until stop 75 the message said only that references
+    are not supported, and not which setting sends the item itself."""
+    return (f"input[{index}].type=\"item_reference\" (id {shown(reference, 80)}): the item "
+            f"of an earlier response it names is not here, nothing is stored: send the item "
+            f"itself, as a client does with store: false (the AI SDK's openai provider sends "
+            f"references while its store option is true, its default: give "
+            f"providerOptions.openai.store = false)")
 
 
 def orphan_output(index: int, call_id: str) -> str:
