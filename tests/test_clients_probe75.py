@@ -26,8 +26,9 @@ from test_server_support import MODEL, LiveServer, started_executor
 httpx = needs.module("httpx", "server")
 openai = needs.module("openai", "server")
 
-from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from openai.types import Model  # noqa: E402 - after the extra's check
+
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_clients_probe74 import check_chat, check_completions, check_responses  # noqa: E402
 
 TIMEOUT_S = 30.0
