@@ -187,3 +187,35 @@ def test_the_recorded_js_requests_cover_every_library_and_what_they_send():
     streamed = [row for row in rows if (row["body"] or {}).get("stream")]
     assert {row["path"] for row in streamed} == {"/v1/chat/completions", "/v1/completions",
                                                  "/v1/responses"}
+
+
+#: paths of the openai npm package 7.60's resources (``client.beta.agents``, ``skills``,
+#: ``beta.chatkit``, ``webhooks``, ``admin.organization``, ``safety``, ``decisions``,
+#: ``live.sessions``, ``contentProvenanceChecks``) that no earlier SDK had, and what the 404
+#: of each says after ``no such route: ``
+NEW_IN_SDK7 = {"/v1/agents": "stores nothing", "/v1/skills/sk_1": "stores nothing",
+               "/v1/chatkit/sessions": "stores nothing", "/v1/chatkit/threads": "stores nothing",
+               "/v1/webhook_endpoints": "no webhooks", "/v1/webhook_event_types": "no webhooks",
+               "/v1/organization/costs": "/admin", "/v1/organization/admin_api_keys": "/admin",
+               "/v1/safety/alerts": "/admin", "/v1/safety/cases/c_1": "/admin",
+               "/v1/decisions": "response_format", "/v1/live/sessions": "text only",
+               "/v1/content_provenance_checks": "text only"}
+
+
+@pytest.mark.parametrize("path", sorted(NEW_IN_SDK7))
+def test_an_endpoint_new_in_the_js_sdk_says_why_it_is_not_served(plain, path):
+    """The openai npm package 7.60 calls endpoints no earlier SDK had; each was a 404 ``no
+    such route`` alone until stop 75, which told a user of ``client.skills.list()`` or
+    ``client.webhooks...`` nothing of whether the base URL or the server was wrong, as the
+    stored objects' and audio routes were until stop 64. Each now says why (same code and
+    shape); a path of no OpenAI endpoint is still ``no such route`` alone."""
+    for method in ("GET", "POST"):
+        r = httpx.request(method, f"{plain.url}{path}", json={}, timeout=TIMEOUT_S)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
+        assert error["message"].startswith(f"{method} {path}: no such route: ")
+        assert NEW_IN_SDK7[path] in error["message"], error["message"]
+    r = httpx.get(f"{plain.url}/v1/agentsx", timeout=TIMEOUT_S)
+    assert r.json()["error"]["message"] == \
+        "GET /v1/agentsx: no such route (docs/server.md lists them)"

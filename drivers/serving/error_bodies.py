@@ -127,13 +127,25 @@ NOT_SERVED: dict[str, str] = {
                     "the served model generates text: embeddings, scores and classifications "
                     "(pooling) are not served"),
     "/v1/moderations": "moderation is not performed by this server",
-    **dict.fromkeys(("/v1/audio", "/v1/images", "/v1/realtime", "/v1/videos"),
+    **dict.fromkeys(("/v1/audio", "/v1/images", "/v1/realtime", "/v1/videos", "/v1/live",
+                     "/v1/content_provenance_checks"),
                     "the served model reads and writes text only"),
+    # (the openai npm package 7.60's agents, skills, chatkit sessions and threads: until
+    # stop 75 "no such route" alone, as every path of its resources below)
     **dict.fromkeys(("/v1/files", "/v1/uploads", "/v1/batches", "/v1/fine_tuning",
                      "/v1/vector_stores", "/v1/assistants", "/v1/threads", "/v1/conversations",
-                     "/v1/containers", "/v1/evals", "/v1/chat/completions/"),
+                     "/v1/containers", "/v1/evals", "/v1/chat/completions/", "/v1/agents",
+                     "/v1/skills", "/v1/chatkit"),
                     "this server stores nothing (files, batches, stored completions, "
                     "conversations, assistants): send each request whole"),
+    **dict.fromkeys(("/v1/webhook_endpoints", "/v1/webhook_event_types"),
+                    "no webhooks are sent: nothing runs in the background to notify of "
+                    "(background responses and batches are not served)"),
+    **dict.fromkeys(("/v1/organization", "/v1/safety"),
+                    "OpenAI's organization administration (keys, usage, costs, safety alerts "
+                    "and cases) is not served: this server's operator routes are under /admin"),
+    "/v1/decisions": "decisions (classification and scoring questions) are not served: ask "
+                     "them through /v1/chat/completions or /v1/responses with a response_format",
     # the SDK's responses.compact: under the stored-response route /v1/responses/{id}, which
     # takes GET and DELETE, so a POST was that route's 405 naming them (as if "compact" were
     # a response's id) until stop 72
