@@ -59,7 +59,7 @@ import functools
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NotRequired, TypedDict
 
@@ -671,12 +671,21 @@ def _variants(outcomes: Mapping[str, bool],
     """``outcomes``, then ``outcomes`` merged with each of ``inner`` it does not contradict
     (each once)."""
     found = [outcomes]
+    seen = {_key(outcomes)}
     for extra in inner:
         if all(outcomes.get(name, value) == value for name, value in extra.items()):
             merged = MappingProxyType({**outcomes, **extra})
-            if merged not in found:
+            key = _key(merged)
+            if key not in seen:
+                seen.add(key)
                 found.append(merged)
     return found
+
+
+def _key(outcomes: Mapping[str, bool]) -> frozenset[tuple[str, bool]]:
+    """``outcomes`` as a set key: two are equal when their keys are (a list of tried
+    outcomes searched one by one made a chain's exploration grow as a power of its length)."""
+    return frozenset(outcomes.items())
 
 
 def _inner_guarded(transition: Transition) -> bool:
@@ -706,6 +715,7 @@ def _stopping(outcomes: Mapping[str, bool], taken: Iterable[Transition],
     up to position ``before`` (None: to the end)."""
     kept = {t.id for t in keep}
     found: list[_Refinable] = []
+    seen: set[frozenset[tuple[str, bool]]] = set()
     guarded = [t for t in taken if t.id not in kept and _inner_guarded(t)]
     for position, transition in enumerate(guarded):
         if position < after or (before is not None and position >= before):
@@ -713,9 +723,116 @@ def _stopping(outcomes: Mapping[str, bool], taken: Iterable[Transition],
         refused = _solve(dict(outcomes), (_refusals(transition),))
         if refused is not None and refused != dict(outcomes):
             merged = MappingProxyType(refused)
-            if all(merged != known for known, _ in found):
+            key = _key(merged)
+            if key not in seen:
+                seen.add(key)
                 found.append((merged, position))
     return found
+
+
+class _Heard(Mapping[str, bool]):
+    """Guard outcomes that note the names a skeleton run reads, in the order it reads them,
+    each with the default it read it with and the answer (``guard_expr.holds`` reads by
+    ``get(name, True)``). A skeleton run is decided by its node and these answers: a run from
+    the same node under outcomes that answer the same to the same names goes the same way
+    (``_Memo``). A read of the whole mapping (its keys, its length) marks it ``whole``: such a
+    run is not remembered."""
+
+    def __init__(self, outcomes: Mapping[str, bool]) -> None:
+        self.outcomes = outcomes
+        self.heard: dict[str, tuple[object, object]] = {}
+        self.whole = False
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.outcomes.get(name, default)
+        known = self.heard.setdefault(name, (default, value))
+        if known[0] != default:  # read again with another default: not a decision tree's
+            self.whole = True
+        return value
+
+    def __getitem__(self, name: str) -> bool:
+        self.whole = True
+        return self.outcomes[name]
+
+    def __contains__(self, name: object) -> bool:
+        self.whole = True
+        return name in self.outcomes
+
+    def __iter__(self) -> Iterator[str]:
+        self.whole = True
+        return iter(self.outcomes)
+
+    def __len__(self) -> int:
+        self.whole = True
+        return len(self.outcomes)
+
+
+@attrs.define
+class _Ask:
+    """A node of a ``_Memo``: the runs here read ``name`` next (with ``default``); each answer
+    leads on."""
+
+    name: str
+    default: object
+    answers: dict[object, _Ask | _Done]
+
+
+@attrs.frozen
+class _Done:
+    """A leaf of a ``_Memo``: what a run that read these answers did."""
+
+    result: Any
+
+
+_UNKNOWN = object()
+
+
+class _Memo:
+    """What skeleton runs from one node (and, for ``force``, of one transition) did, as a
+    decision tree over the guard names they read (``_Heard``): outcomes that answer every name
+    a run read as that run's did get its result without running again. Exploring a chain of
+    states each left by guarded eventless transitions sends each event under outcomes for
+    every guarded transition of the chart (``_variants``); almost all of them answer alike
+    what the run reads, and each was a run through the chain (stop 74: a 40-state chain took
+    1 min 40 s)."""
+
+    def __init__(self) -> None:
+        self.root: _Ask | _Done | None = None
+
+    def find(self, outcomes: Mapping[str, bool]) -> Any:
+        """The result of a run under ``outcomes``, or ``_UNKNOWN``."""
+        node = self.root
+        while isinstance(node, _Ask):
+            node = node.answers.get(outcomes.get(node.name, node.default))
+        return _UNKNOWN if node is None else node.result
+
+    def add(self, heard: _Heard, result: Any) -> None:
+        """Remember ``result`` of a run that read ``heard`` (nothing when it read the whole
+        outcomes, or its reads contradict a run remembered: each run is then run)."""
+        if heard.whole:
+            return
+        reads = list(heard.heard.items())
+        leaf: _Ask | _Done = _Done(result)
+        if self.root is None:
+            self.root = _chain(reads, leaf)
+            return
+        node: _Ask | _Done = self.root
+        for index, (name, (default, value)) in enumerate(reads):
+            if not isinstance(node, _Ask) or (node.name, node.default) != (name, default):
+                return
+            following = node.answers.get(value)
+            if following is None:
+                node.answers[value] = _chain(reads[index + 1:], leaf)
+                return
+            node = following
+
+
+def _chain(reads: list[tuple[str, tuple[object, object]]], leaf: _Ask | _Done) -> _Ask | _Done:
+    """``reads`` as a branch of a ``_Memo`` ending in ``leaf``."""
+    node = leaf
+    for name, (default, value) in reversed(reads):
+        node = _Ask(name, default, {value: node})
+    return node
 
 
 def _graph(chart: CompiledChart, limit: int,
@@ -799,15 +916,17 @@ def _graph(chart: CompiledChart, limit: int,
         # under them takes it first, then that event's transition where it leads
         waiting: deque[tuple[Transition, Mapping[str, bool], int]] = deque(
             (eventless, enabling, 0) for eventless, enabling in _enabling(chart, run.configuration))
-        tried_enabling: list[tuple[int, Mapping[str, bool]]] = []
+        tried_enabling: set[tuple[int, frozenset[tuple[str, bool]]]] = set()
+        # what the runs from this node did (each run once per way the guards it reads answer)
+        settles = _Memo()
+        forces: dict[tuple[int, int], _Memo] = {}
         settled_ways: set[tuple[int, frozenset[int], _Node]] = set()
         while waiting:
             eventless, enabling, settle_after = waiting.popleft()
-            if (eventless.id, enabling) in tried_enabling:
+            if (eventless.id, _key(enabling)) in tried_enabling:
                 continue
-            tried_enabling.append((eventless.id, enabling))
-            settled = run.fork()
-            took = settled.settle(enabling)
+            tried_enabling.add((eventless.id, _key(enabling)))
+            settled, took = _settled(run, settles, enabling)
             if eventless.id not in {t.id for t in took}:
                 continue  # another eventless transition goes first under these
             settled_way = (eventless.id, frozenset(t.id for t in took),
@@ -832,20 +951,33 @@ def _graph(chart: CompiledChart, limit: int,
         for record, selecting, first in sends:
             variants: deque[_Refinable] = deque(
                 (variant, 0) for variant in _variants(selecting, inner))
-            tried: list[Mapping[str, bool]] = []
+            tried: set[frozenset[tuple[str, bool]]] = set()
             while variants:
                 outcomes, refine_after = variants.popleft()
-                if outcomes in tried:
+                if _key(outcomes) in tried:
                     continue
-                tried.append(outcomes)
-                twin = run.fork()
-                forced = twin.force(record, outcomes)
+                tried.add(_key(outcomes))
+                # python-statemachine runs the macrostep these outcomes enable before it takes
+                # the event (``StatechartRun.force``): run once per way it reads the guards,
+                # then the event from where it settled, once per settled run and its reads
+                settled, before = _settled(run, settles, outcomes)
+                if not settled.running:
+                    continue
+                memo = forces.setdefault((id(settled), record.id), _Memo())
+                result = memo.find(outcomes)
+                if result is _UNKNOWN:
+                    twin = settled.fork()
+                    heard = _Heard(outcomes)
+                    rest = twin.force(record, heard)
+                    result = (twin, rest, None if rest is None else _node(twin, rank, ordered))
+                    memo.add(heard, result)
+                twin, rest, after = result
+                forced = None if rest is None else [*before, *rest]
                 if forced is None:  # another region's transition preempts it under these
                     continue
                 taken = frozenset(t.id for t in forced)
                 if first is not None and first.id not in taken:
                     continue  # under these the run does not take ``first`` before the event
-                after = _node(twin, rank, ordered)
                 keep = (record,) if first is None else (record, first)
                 refined_from = went.get((record.id, taken, after))
                 if refined_from is not None:  # the same whatever these guards
@@ -862,7 +994,7 @@ def _graph(chart: CompiledChart, limit: int,
                 path = (*steps, edge)
                 if not twin.configuration or _orphans(chart, twin.configuration):
                     raise ValueError(_emptied(chart, forced, record, path, twin.configuration))
-                for state in twin.entered:
+                for state in (*settled.entered, *twin.entered):
                     entered.setdefault(state, (origin, path, twin.state))
                 for state in twin.configuration:
                     held.setdefault(state, (origin, path, twin.state))
@@ -879,6 +1011,22 @@ def _graph(chart: CompiledChart, limit: int,
                         if state not in entered}))
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
+
+
+def _settled(run: StatechartRun, memo: _Memo,
+             outcomes: Mapping[str, bool]) -> tuple[StatechartRun, list[Transition]]:
+    """A fork of ``run`` that ran the macrostep ``outcomes`` enable before a sent event
+    (``StatechartRun.settle``) and the transitions it took: from ``memo`` when a run from
+    ``run`` read the same answers (``_Memo``; the fork is then shared: only read, or
+    forked)."""
+    known = memo.find(outcomes)
+    if known is _UNKNOWN:
+        settled = run.fork()
+        heard = _Heard(outcomes)
+        known = (settled, settled.settle(heard))
+        memo.add(heard, known)
+    found: tuple[StatechartRun, list[Transition]] = known
+    return found
 
 
 def _orphans(chart: CompiledChart, configuration: Iterable[str]) -> list[str]:
