@@ -920,13 +920,15 @@ def _graph(chart: CompiledChart, limit: int,
         # what the runs from this node did (each run once per way the guards it reads answer)
         settles = _Memo()
         forces: dict[tuple[int, int], _Memo] = {}
+        #: (id of a settling's transitions, id of the event's) -> both, and their ids
+        steps_of: dict[tuple[int, int], tuple[list[Transition], frozenset[int]]] = {}
         settled_ways: set[tuple[int, frozenset[int], _Node]] = set()
         while waiting:
             eventless, enabling, settle_after = waiting.popleft()
             if (eventless.id, _key(enabling)) in tried_enabling:
                 continue
             tried_enabling.add((eventless.id, _key(enabling)))
-            settled, took = _settled(run, settles, enabling)
+            settled, took, _ = _settled(run, settles, enabling)
             if eventless.id not in {t.id for t in took}:
                 continue  # another eventless transition goes first under these
             settled_way = (eventless.id, frozenset(t.id for t in took),
@@ -952,6 +954,8 @@ def _graph(chart: CompiledChart, limit: int,
             variants: deque[_Refinable] = deque(
                 (variant, 0) for variant in _variants(selecting, inner))
             tried: set[frozenset[tuple[str, bool]]] = set()
+            #: what the event did under ``selecting`` and the answers its runs read
+            sent: tuple[tuple[Any, ...], dict[str, object] | None] | None = None
             while variants:
                 outcomes, refine_after = variants.popleft()
                 if _key(outcomes) in tried:
@@ -959,23 +963,37 @@ def _graph(chart: CompiledChart, limit: int,
                 tried.add(_key(outcomes))
                 # python-statemachine runs the macrostep these outcomes enable before it takes
                 # the event (``StatechartRun.force``): run once per way it reads the guards,
-                # then the event from where it settled, once per settled run and its reads
-                settled, before = _settled(run, settles, outcomes)
-                if not settled.running:
-                    continue
-                memo = forces.setdefault((id(settled), record.id), _Memo())
-                result = memo.find(outcomes)
-                if result is _UNKNOWN:
-                    twin = settled.fork()
-                    heard = _Heard(outcomes)
-                    rest = twin.force(record, heard)
-                    result = (twin, rest, None if rest is None else _node(twin, rank, ordered))
-                    memo.add(heard, result)
-                twin, rest, after = result
-                forced = None if rest is None else [*before, *rest]
-                if forced is None:  # another region's transition preempts it under these
-                    continue
-                taken = frozenset(t.id for t in forced)
+                # then the event from where it settled, once per settled run and its reads;
+                # outcomes that answer what the run under ``selecting`` read as it did (almost
+                # every variant: ``_variants`` merges outcomes for every guarded transition of
+                # the chart) go its way without a lookup
+                if sent is not None and _alike(outcomes, selecting, sent[1]):
+                    settled, before, twin, rest, after = sent[0]
+                else:
+                    settled, before, reads = _settled(run, settles, outcomes)
+                    twin, rest, after, rest_reads = None, None, None, {}
+                    if settled.running:
+                        memo = forces.setdefault((id(settled), record.id), _Memo())
+                        result = memo.find(outcomes)
+                        if result is _UNKNOWN:
+                            twin = settled.fork()
+                            heard = _Heard(outcomes)
+                            rest = twin.force(record, heard)
+                            result = (twin, rest, None if rest is None
+                                      else _node(twin, rank, ordered), _reads(heard))
+                            memo.add(heard, result)
+                        twin, rest, after, rest_reads = result
+                    if sent is None:  # (the first outcomes tried are ``selecting``)
+                        sent = ((settled, before, twin, rest, after),
+                                _merged_reads(reads, rest_reads))
+                if not settled.running or twin is None or rest is None or after is None:
+                    continue  # another region's transition preempts it under these
+                joined = steps_of.get((id(before), id(rest)))
+                if joined is None:
+                    forced = [*before, *rest]
+                    joined = steps_of[(id(before), id(rest))] = (
+                        forced, frozenset(t.id for t in forced))
+                forced, taken = joined
                 if first is not None and first.id not in taken:
                     continue  # under these the run does not take ``first`` before the event
                 keep = (record,) if first is None else (record, first)
@@ -1013,20 +1031,55 @@ def _graph(chart: CompiledChart, limit: int,
     return graph
 
 
-def _settled(run: StatechartRun, memo: _Memo,
-             outcomes: Mapping[str, bool]) -> tuple[StatechartRun, list[Transition]]:
+def _settled(run: StatechartRun, memo: _Memo, outcomes: Mapping[str, bool]
+             ) -> tuple[StatechartRun, list[Transition], dict[str, object] | None]:
     """A fork of ``run`` that ran the macrostep ``outcomes`` enable before a sent event
-    (``StatechartRun.settle``) and the transitions it took: from ``memo`` when a run from
-    ``run`` read the same answers (``_Memo``; the fork is then shared: only read, or
-    forked)."""
+    (``StatechartRun.settle``), the transitions it took and the answers it read (``_reads``):
+    from ``memo`` when a run from ``run`` read the same answers (``_Memo``; the fork is then
+    shared: only read, or forked)."""
     known = memo.find(outcomes)
     if known is _UNKNOWN:
         settled = run.fork()
         heard = _Heard(outcomes)
-        known = (settled, settled.settle(heard))
+        known = (settled, settled.settle(heard), _reads(heard))
         memo.add(heard, known)
-    found: tuple[StatechartRun, list[Transition]] = known
+    found: tuple[StatechartRun, list[Transition], dict[str, object] | None] = known
     return found
+
+
+def _reads(heard: _Heard) -> dict[str, object] | None:
+    """Name -> the answer a run read (None: it read the whole outcomes)."""
+    return None if heard.whole else {name: value for name, (_, value) in heard.heard.items()}
+
+
+def _merged_reads(one: dict[str, object] | None,
+                  other: dict[str, object] | None) -> dict[str, object] | None:
+    """The answers two runs under one outcomes read (None: either read the whole outcomes,
+    or one name answered differently, read with other defaults)."""
+    if one is None or other is None:
+        return None
+    merged = dict(one)
+    for name, value in other.items():
+        if merged.setdefault(name, value) != value:
+            return None
+    return merged
+
+
+def _alike(outcomes: Mapping[str, bool], base: Mapping[str, bool],
+           reads: dict[str, object] | None) -> bool:
+    """Whether runs under ``outcomes`` read the answers runs under ``base`` read (``reads``),
+    so go their way: ``outcomes`` holds ``base`` and answers each name they read as they
+    did. Each run is decided by its node and the answers it reads, read in an order those
+    answers decide."""
+    if reads is None or any(name not in outcomes for name in base):
+        return False
+    for name, value in outcomes.items():
+        if base.get(name) == value:
+            continue
+        read = reads.get(name, _UNKNOWN)
+        if read is not _UNKNOWN and read != value:
+            return False
+    return True
 
 
 def _orphans(chart: CompiledChart, configuration: Iterable[str]) -> list[str]:
