@@ -1843,7 +1843,15 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
                                   _unheard(chart.declaration, outcomes)
                                   or strayed or _began_elsewhere(run, path, began))
         sent = _sent_by_the_chart(chart, step, counts, counted)
-        if sent:
+        errors = _taken_on_errors(chart, step, counts, counted)
+        if errors:  # (until stop 75 only the generic "turns an action's error into ...")
+            strayed = (f"the send of step {number}, {_describe(step)}, also took "
+                       f"{'; '.join(_describe(t) for t in errors)}: a callback of the chart "
+                       f"raised during that send and python-statemachine "
+                       f"(catch_errors_as_events) sent the error as an event; paths run no "
+                       f"callback, so they do not follow it: drive this chart with a model "
+                       f"and callbacks that do not raise there, or with tests of your own")
+        elif sent:
             strayed = (f"the send of step {number}, {_describe(step)}, also took "
                        f"{'; '.join(_describe(t) for t in sent)}: an event no step sent, which "
                        f"the chart's own callbacks sent or raised (self.send, self.raise_); "
@@ -1861,6 +1869,15 @@ def _sent_by_the_chart(chart: CompiledChart, step: Transition, before: Sequence[
     moved = [t for t in chart.transitions if t.id < len(before) and after[t.id] != before[t.id]]
     return [t for t in moved if t.event and not t.event.startswith(("done.state.", "error."))
             and not _matches(t.event, step.event)]
+
+
+def _taken_on_errors(chart: CompiledChart, step: Transition, before: Sequence[int],
+                     after: Sequence[int]) -> list[Transition]:
+    """The transitions on ``error.*`` events the send of ``step`` took (their counts moved
+    from ``before`` to ``after``) but its own: an error a callback raised during it, which
+    python-statemachine sent as ``error.execution``."""
+    return [t for t in chart.transitions if t.id < len(before) and after[t.id] != before[t.id]
+            and t.event.startswith("error.") and not _matches(t.event, step.event)]
 
 
 def _matches(descriptor: str, event: str) -> bool:

@@ -16,7 +16,7 @@ from statemachine.exceptions import InvalidDefinition
 
 import paths_reference74 as reference
 from calexec.machines import paths
-from calexec.machines.compiled import CHARTS
+from calexec.machines.compiled import CHARTS, compiled
 
 
 def _chain(length: int) -> type:
@@ -107,3 +107,37 @@ def test_the_exploration_answers_as_stop_74s_on_random_charts(chart: type) -> No
                          ids=lambda chart: getattr(chart, "name", None) or chart.__name__)
 def test_the_exploration_answers_as_stop_74s_on_known_charts(chart: object) -> None:
     assert _answers(paths, chart) == _answers(reference, chart)
+
+
+class Uploader(StateChart):
+    """An ``on_enter`` callback that raises, turned into ``error.execution``."""
+
+    catch_errors_as_events = True
+    idle = State(initial=True)
+    sending = State()
+    failed = State(final=True)
+    done = State(final=True)
+
+    start = idle.to(sending)
+    finish = sending.to(done)
+    error_execution = sending.to(failed)
+
+    def on_enter_sending(self) -> None:
+        raise RuntimeError("disk full")
+
+
+def test_driving_a_path_past_a_callback_that_raised_names_that_send() -> None:
+    # until stop 75 drive blamed step 2 (`start finish`: "the run is in 'failed'") with only a
+    # generic "a StateChart ... turns an action's error into error.execution": the send of
+    # step 1 had taken `sending --error.execution--> failed`, which on_enter_sending's error
+    # raised, and drive did not say so (it names an event a callback sent, not one an error
+    # raised)
+    chart = compiled(Uploader)
+    walk = {p.transition.event: p for p in paths.transition_paths(Uploader)}["finish"]
+    with pytest.raises(paths.PathNotFollowed) as raised:
+        paths.drive(chart.run(paths.GuardTable.for_chart(Uploader)), walk)
+    message = str(raised.value)
+    assert "step 2 of 2" in message
+    assert ("the send of step 1, idle --start--> sending, also took sending "
+            "--error.execution--> failed") in message
+    assert "RuntimeError" in message or "raised" in message
