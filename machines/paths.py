@@ -940,8 +940,9 @@ def _graph(chart: CompiledChart, limit: int,
             # state it leads to that two guarded eventless transitions leave: _stopping)
             waiting.extend((eventless, refined, position) for refined, position in _stopping(
                 enabling, took, (eventless,), settle_after))
+            where = run.state  # (once: each ``state`` makes the string anew)
             for state in settled.configuration:
-                settled_into.setdefault(state, (run.state, enabling))
+                settled_into.setdefault(state, (where, enabling))
             for record in settled.candidates():
                 if record.event in raised:
                     continue
@@ -1012,10 +1013,11 @@ def _graph(chart: CompiledChart, limit: int,
                 path = (*steps, edge)
                 if not twin.configuration or _orphans(chart, twin.configuration):
                     raise ValueError(_emptied(chart, forced, record, path, twin.configuration))
+                reached = (origin, path, twin.state)
                 for state in (*settled.entered, *twin.entered):
-                    entered.setdefault(state, (origin, path, twin.state))
+                    entered.setdefault(state, reached)
                 for state in twin.configuration:
-                    held.setdefault(state, (origin, path, twin.state))
+                    held.setdefault(state, reached)
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= limit:

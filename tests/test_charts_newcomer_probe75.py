@@ -36,6 +36,19 @@ def _chain(length: int) -> type:
     return type("Chain", (StateChart,), body)
 
 
+def _plant(regions: int) -> type:
+    """A parallel state of ``regions`` regions, each left from its first state by a guarded
+    eventless transition and back by an event: 2**regions configurations."""
+    bodies = {}
+    for i in range(regions):
+        first, second = State(initial=True), State()
+        first.to(second, cond=f"g{i}")
+        bodies[f"r{i}"] = type(f"r{i}", (State.Compound,), {
+            f"x{i}": first, f"y{i}": second, f"back{i}": second.to(first)})
+    return type(f"Plant{regions}", (StateChart,),
+                {"plant": type("plant", (State.Parallel,), bodies)})
+
+
 def _answers(module: Any, chart: object) -> tuple[object, ...]:
     """What ``module``'s exploration answers for ``chart``: every path, walk and end
     (``as_data``) and how many configurations it reached, or the error it raised."""
@@ -103,7 +116,8 @@ def test_the_exploration_answers_as_stop_74s_on_random_charts(chart: type) -> No
     assert _answers(paths, chart) == _answers(reference, chart)
 
 
-@pytest.mark.parametrize("chart", [*CHARTS.values(), *(_chain(n) for n in (1, 3, 8))],
+@pytest.mark.parametrize("chart", [*CHARTS.values(), *(_chain(n) for n in (1, 3, 8)),
+                                   _plant(2), _plant(4)],
                          ids=lambda chart: getattr(chart, "name", None) or chart.__name__)
 def test_the_exploration_answers_as_stop_74s_on_known_charts(chart: object) -> None:
     assert _answers(paths, chart) == _answers(reference, chart)
