@@ -993,7 +993,10 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         states=states,
         initial=declaration.initial_state.id,
         finals=frozenset(state.id for state in every_state if state.final),
-        events=tuple(str(event) for event in declaration._events),
+        # (an Event of several ids, ``Event(t, id="freeze lock")``, is each of them, as
+        # python-statemachine's transitions take them: until stop 75 "freeze lock" was one)
+        events=tuple(dict.fromkeys(name for event in declaration._events
+                                   for name in str(event).split(" ") if name)),
         transitions=tuple(transitions),
         table=MappingProxyType(table),
         guard_names=frozenset(g for t in transitions for g in t.conds + t.unless

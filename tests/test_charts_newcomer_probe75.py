@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from statemachine import State, StateChart
+from statemachine import Event, State, StateChart
 from statemachine.exceptions import InvalidDefinition
 
 import paths_reference74 as reference
 from calexec.machines import paths
+from calexec.machines.chart_contracts import ContractViolation, contracts_checked, precondition
 from calexec.machines.compiled import CHARTS, compiled
+from calexec.machines.statechart_run import StatechartRun
 
 
 def _chain(length: int) -> type:
@@ -155,3 +157,45 @@ def test_driving_a_path_past_a_callback_that_raised_names_that_send() -> None:
     assert ("the send of step 1, idle --start--> sending, also took sending "
             "--error.execution--> failed") in message
     assert "RuntimeError" in message or "raised" in message
+
+
+class Vault(StateChart):
+    """An ``Event`` of two ids (``freeze`` and ``lock`` take one transition), a separate
+    model, states with values, contracts on one of the ids."""
+
+    open_ = State("Open", initial=True, value="O")
+    frozen = State("Frozen", value="F")
+    closed = State("Closed", value="C", final=True)
+
+    freeze = Event(open_.to(frozen, cond="has_funds"), id="freeze lock")
+    thaw = frozen.to(open_)
+    close = open_.to(closed) | frozen.to(closed)
+
+    @precondition("lock")
+    def lock_needs_money(account: Any) -> bool:
+        return bool(account.balance > 5)
+
+
+class Account:
+    def __init__(self, balance: int) -> None:
+        self.balance = balance
+
+    def has_funds(self) -> bool:
+        return self.balance > 0
+
+
+def test_an_event_of_several_ids_is_each_of_them() -> None:
+    # until stop 75 the compiled chart's events held python-statemachine's one Event id
+    # "freeze lock", so @precondition("lock") was refused ("'lock' is not an event of the
+    # chart (one of freeze lock, thaw, close)") though `send("lock")` takes the transition
+    assert compiled(Vault).events == ("freeze", "lock", "thaw", "close")
+    with contracts_checked(Vault):
+        machine = Vault(model=Account(3))
+        with pytest.raises(ContractViolation, match="lock_needs_money"):
+            machine.send("lock")
+        run = StatechartRun(compiled(Vault), Account(3))
+        run.send("freeze")  # (the contract is on `lock` only)
+        assert run.state == "frozen"
+        run = StatechartRun(compiled(Vault), Account(3))
+        with pytest.raises(ContractViolation, match="lock_needs_money"):
+            run.send("lock")
