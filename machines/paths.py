@@ -925,9 +925,10 @@ def _graph(chart: CompiledChart, limit: int,
         settled_ways: set[tuple[int, frozenset[int], _Node]] = set()
         while waiting:
             eventless, enabling, settle_after = waiting.popleft()
-            if (eventless.id, _key(enabling)) in tried_enabling:
+            way = (eventless.id, _key(enabling))
+            if way in tried_enabling:
                 continue
-            tried_enabling.add((eventless.id, _key(enabling)))
+            tried_enabling.add(way)
             settled, took, _ = _settled(run, settles, enabling)
             if eventless.id not in {t.id for t in took}:
                 continue  # another eventless transition goes first under these
@@ -959,9 +960,10 @@ def _graph(chart: CompiledChart, limit: int,
             sent: tuple[tuple[Any, ...], dict[str, object] | None] | None = None
             while variants:
                 outcomes, refine_after = variants.popleft()
-                if _key(outcomes) in tried:
+                key = _key(outcomes)
+                if key in tried:
                     continue
-                tried.add(_key(outcomes))
+                tried.add(key)
                 # python-statemachine runs the macrostep these outcomes enable before it takes
                 # the event (``StatechartRun.force``): run once per way it reads the guards,
                 # then the event from where it settled, once per settled run and its reads;
