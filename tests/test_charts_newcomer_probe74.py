@@ -266,7 +266,7 @@ def test_a_state_settled_into_by_eventless_transitions_is_reached_or_named_why_n
     assert [state.id for state in machine.configuration] == ["done"]
 
 
-def _chain(length: int) -> type:
+def guarded_chain(length: int) -> type:
     """``go`` into ``s0``; each ``s<i>`` left by two guarded eventless transitions, on to
     ``s<i+1>`` under ``g<i>`` or to ``bad`` under ``h<i>``, and poked by an internal event."""
     body: dict[str, object] = {"idle": State(initial=True), "bad": State(final=True),
@@ -287,7 +287,7 @@ def test_a_chain_of_states_each_left_by_guarded_eventless_transitions_has_every_
     # after taking every `g` before it: until stop 74 no poke had a path (exit 2); refining
     # every outcome again at every way the macrostep went took minutes for 12 states (as many
     # outcomes as subsets of the chain's guards), so each is refined from where it diverged
-    chain = _chain(12)
+    chain = guarded_chain(12)
     taking = {p.transition.event: p for p in transition_paths(chain)}
     assert {f"poke{i}" for i in range(12)} <= set(taking)
     for i in (0, 5, 11):

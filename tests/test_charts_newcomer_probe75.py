@@ -19,23 +19,7 @@ from calexec.machines import paths
 from calexec.machines.chart_contracts import ContractViolation, contracts_checked, precondition
 from calexec.machines.compiled import CHARTS, compiled
 from calexec.machines.statechart_run import StatechartRun
-
-
-def _chain(length: int) -> type:
-    """``go`` into ``s0``; each ``s<i>`` left by two guarded eventless transitions, on to
-    ``s<i+1>`` under ``g<i>`` or to ``bad`` under ``h<i>``, and poked by an internal event
-    (stop 74's probe chart)."""
-    body: dict[str, object] = {"idle": State(initial=True), "bad": State(final=True),
-                               "end": State(final=True)}
-    states = [State() for _ in range(length + 1)]
-    body.update({f"s{i}": state for i, state in enumerate(states)})
-    body["go"] = body["idle"].to(states[0])  # type: ignore[attr-defined]
-    for i in range(length):
-        states[i].to(states[i + 1], cond=f"g{i}")  # eventless: bound to no name
-        states[i].to(body["bad"], cond=f"h{i}")  # type: ignore[arg-type]
-        body[f"poke{i}"] = states[i].to.itself(internal=True)
-    body["fin"] = states[length].to(body["end"])
-    return type("Chain", (StateChart,), body)
+from test_charts_newcomer_probe74 import guarded_chain
 
 
 def _plant(regions: int) -> type:
@@ -118,7 +102,7 @@ def test_the_exploration_answers_as_stop_74s_on_random_charts(chart: type) -> No
     assert _answers(paths, chart) == _answers(reference, chart)
 
 
-@pytest.mark.parametrize("chart", [*CHARTS.values(), *(_chain(n) for n in (1, 3, 8)),
+@pytest.mark.parametrize("chart", [*CHARTS.values(), *(guarded_chain(n) for n in (1, 3, 8)),
                                    _plant(2), _plant(4)],
                          ids=lambda chart: getattr(chart, "name", None) or chart.__name__)
 def test_the_exploration_answers_as_stop_74s_on_known_charts(chart: object) -> None:
