@@ -1802,6 +1802,8 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                      if plan is not None and plan.tools else _ChatShape())
             shape.prompt_ids = body.return_token_ids
             shape.continuous_usage = continuous_usage(body)
+            if body.service_tier is not None:  # (one tier: the one used, whatever was asked)
+                shape.service_tier = "default"
             return shape
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
@@ -2182,7 +2184,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
         end; a failure before the first chunk is the response's status, after it an error
         event (no ``[DONE]``), as for one choice."""
         service = owner.service
-        state.sending = wire.SendCut()  # (before a choice runs: each run holds it)
+        # (before a choice runs: each run holds it; a cancel finds it in service.streams
+        # once every choice ended and the tail is still going out)
+        state.sending = wire.SendCut(service.streams, (state.id, state.x_request_id))
         producer = asyncio.get_running_loop().create_task(produce())
 
         async def stop() -> None:  # the choices end and release what they hold
@@ -2264,7 +2268,9 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                             ) -> Response:
         service = owner.service
         first: int | None = None
-        sending = run.send_cut = wire.SendCut()  # (a cancel cuts a send waiting for the client)
+        # (a cancel cuts a send waiting for the client, its generation still on or ended)
+        sending = run.send_cut = wire.SendCut(service.streams,
+                                              (run.response_id, run.x_request_id))
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
             nonlocal first
@@ -2310,6 +2316,10 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                         progress({"handoff": "drained"})
                         return  # no [DONE]: the fleet ingress continues on a sibling
                     token = await service.advance(run)
+                # the generation ended: the device's share comes back now, not once the
+                # client read the last bytes (a client that stopped reading held it until
+                # the deadline + slack, stop 75)
+                await service.generation_ended(run)
                 if ready:  # (the stream ended without a token that said so)
                     yield b"".join(ready)
                 if run.status is not None:
@@ -2583,12 +2593,20 @@ class _CompletionShape(_Shape):
 
 class _ChatShape(_Shape):
     PREFIX = "chatcmpl"
+    #: the answer's ``service_tier`` (``"default"``: one tier here) when the request set one,
+    #: on the whole answer and every chunk, as OpenAI's ``ChatCompletion`` and
+    #: ``ChatCompletionChunk`` say ("when the service_tier parameter is set, the response
+    #: body will include the service_tier value ... actually used"); None: left out
+    service_tier: str | None = None
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
-        return {"id": self.id,
+        head = {"id": self.id,
                 "object": "chat.completion.chunk" if chunk else "chat.completion",
                 "created": self.created, "model": self.service.config.model_name,
                 "system_fingerprint": self.service.system_fingerprint}
+        if self.service_tier is not None:
+            head["service_tier"] = self.service_tier
+        return head
 
     def _logprobs(self, run: RequestRun, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
         return None if run.sampling.logprobs is None else chat_logprobs(self.tok, infos)

@@ -574,6 +574,10 @@ class RequestRun:
     #: ``CompletionService.finish`` ran (it runs once: a cut response and the end of its body
     #: iterator may both ask for it)
     finished: bool = False
+    #: what it held on the device (its job, decode stream, sequence id) was given back: by
+    #: ``finish``, or earlier by ``generation_ended`` (a stream whose generation ended gives
+    #: it back before its last bytes go out: a client slow to read them holds none of it)
+    given_back: bool = False
     #: ``ServerConfig.decode_bursts``: the handler reads nothing per token (no stop strings,
     #: no fleet progress), so a greedy run may take its decode steps in a burst; the tokens a
     #: burst took and ``advance`` has not handed out yet; the failed step that ended a burst
@@ -962,6 +966,11 @@ class CompletionService:
         #: a drain: it refuses them at admission)
         self._arriving: dict[int, OpenRequest] = {}
         self._live: dict[int, RequestRun] = {}
+        #: the streamed responses whose sends run now (``wire.SendCut``, by their response id
+        #: and ``x-request-id``): a cancel finds one there once its generation ended (a
+        #: request of several choices has no run left then), to cut a send waiting for a
+        #: client that stopped reading
+        self.streams: set[wire.SendCut] = set()
         self._ids = itertools.count(1)
         # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
         # hold their KV take threads from separate limiters: waiting prefills never starve
@@ -1955,6 +1964,33 @@ class CompletionService:
         try:
             if abandoned and not run.done:  # the request task ended early: client left
                 run.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+            await self._give_back(run)
+        finally:
+            try:
+                self._record(run)
+            except Exception:
+                log.exception("recording request %d", run.request_id)
+            self._live.pop(run.request_id, None)
+            self.active -= 1
+
+    async def generation_ended(self, run: RequestRun) -> None:
+        """(A streamed route, once ``advance`` returned None: the generation ended.) Give back
+        now what the request holds on the device (its job, decode stream, sequence id, KV
+        blocks, slot): the bytes still to send are made. The request stays in progress until
+        its response ends (``finish``: its record, the cancel and the drain still find it).
+        Until stop 75 a stream whose last send waited for a client that stopped reading held
+        its sequence until its deadline + ``deadline_slack_s``. Never raises."""
+        if not run.finished:
+            await self._give_back(run)
+
+    async def _give_back(self, run: RequestRun) -> None:
+        """(``finish``, ``generation_ended``; once) Cancel the run's job if one is still
+        running and give its sequence id back once its last job ended (now when it has, else
+        from a background thread). Never raises."""
+        if run.given_back:
+            return
+        run.given_back = True
+        try:
             with run.mu:
                 run.closed = True  # no enqueue starts after this
                 run.burst_room.notify_all()  # a streamed burst waiting for room ends
@@ -1982,13 +2018,6 @@ class CompletionService:
         except Exception:  # never leave a request running or its id in limbo
             log.exception("finishing request %d", run.request_id)
             self.release_later(run)
-        finally:
-            try:
-                self._record(run)
-            except Exception:
-                log.exception("recording request %d", run.request_id)
-            self._live.pop(run.request_id, None)
-            self.active -= 1
 
     async def _release_shielded(self, run: RequestRun) -> bool:
         """``_close_and_release(run)`` in a release thread, run to its end even when the
@@ -2252,20 +2281,29 @@ class CompletionService:
         resume; it ends ``request.aborted``. An id naming two requests or more (one's
         response id another's ``x-request-id``, or two clients' one ``X-Request-Id``) tells
         none (``ambiguous``). Idempotent: a request told already is ``repeated``, told
-        nothing more."""
+        nothing more. A stream whose generation ended and whose response is still going out
+        (``streams``) is cancelled too: a send of it waiting for its client, or one that
+        would wait, is cut (``wire.SendCut``), a single choice's request counted
+        ``request.aborted`` (until stop 75 a 404, the stream held until its deadline)."""
         runs = [run for run in list(self._live.values())
                 if ident in (run.response_id, run.x_request_id) and not run.finished]
         opened = [entry for entry in [*self._open.values(), *self._arriving.values()]
                   if ident in (entry.response_id, entry.x_request_id)]
+        sending = [cut for cut in list(self.streams) if ident in cut.names and not cut.ended]
         keys = ({run.response_id or f"#{run.request_id}" for run in runs}
-                | {entry.response_id or f"@{id(entry)}" for entry in opened})
-        named = tuple(sorted(key for key in keys if not key.startswith(("#", "@"))))
-        x_ids = {run.x_request_id for run in runs} | {e.x_request_id for e in opened}
+                | {entry.response_id or f"@{id(entry)}" for entry in opened}
+                | {cut.names[0] or f"%{id(cut)}" for cut in sending})
+        named = tuple(sorted(key for key in keys if not key.startswith(("#", "@", "%"))))
+        x_ids = ({run.x_request_id for run in runs} | {e.x_request_id for e in opened}
+                 | {cut.names[1] for cut in sending})
         x_request_id = next(iter(x_ids)) if len(x_ids) == 1 else None
         if len(keys) > 1:
             return self._cancel_counted(CancelOutcome("ambiguous", named))
         told = 0
         repeated = any(entry.cancelled is not None for entry in opened)
+        repeated |= any(cut.asked for cut in sending)
+        fresh = [cut for cut in sending if not cut.asked]  # (before the runs' cuts below)
+        ended = 0  # streams whose generation had ended, cut
         for entry in opened:
             if entry.cancelled is None:
                 entry.cancelled = aborted(ident)
@@ -2275,6 +2313,8 @@ class CompletionService:
                     repeated = True
                     continue
                 if run.done or run.closed:  # its generation ended: its answer is going out
+                    # (the stream's cut below ends it request.aborted if it cuts a send)
+                    run.cancelled = aborted(ident, run.seq_id)
                     continue
                 run.cancelled = aborted(ident, run.seq_id)
             told += 1
@@ -2287,6 +2327,18 @@ class CompletionService:
             if run.send_cut is not None:  # a stream blocked in its send is cut now (no waiting
                 # for a client that stopped reading); one that reads gets its error event
                 run.send_cut.cut(self.config.deadline_slack_s)
+        for cut in fresh:
+            if cut.asked:  # (a run told above cut it: its generation goes on)
+                continue
+            # its generation ended (stop 75): what it held on the device is back; a send
+            # waiting for the client now, or one that would wait, is cut (the connection
+            # aborted, no [DONE]); one the client's socket takes at once still goes out
+            cut.cut(0.0)
+            ended += 1
+        if ended and not told:
+            log.info("admin: cancelled request %s whose generation had ended: its response's "
+                     "sends cut, x-request-id %s", fields.shown(ident, 128), x_request_id)
+            return self._cancel_counted(CancelOutcome("cancelled", named, x_request_id))
         if told:
             log.info("admin: cancelled request %s (%d choice%s), x-request-id %s",
                      fields.shown(ident, 128), told, "" if told == 1 else "s", x_request_id)

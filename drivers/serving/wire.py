@@ -906,20 +906,38 @@ class SendCut:
     event; one that does not is cut then). Until stop 74 the cancel reached only the request's
     wait for its next token: a stream blocked in its send held its sequence until its own
     deadline + ``deadline_slack_s``. A response relaying another's body (the Responses API)
-    takes the handle of the one it relays. Event-loop only."""
+    takes the handle of the one it relays. ``streams``: the set it is in while its response's
+    sends run (``CompletionService.streams``: a cancel finds a response there once its
+    generation ended and its requests are done, stop 75), ``names`` the ids a cancel names it
+    by (its response ``id``, its ``x-request-id``). Event-loop only."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: set[SendCut] | None = None,
+                 names: tuple[str | None, str | None] = (None, None)) -> None:
         self._guard: SendGuard | None = None
         self._slack: float | None = None  # cut asked before the response's sends began
+        self._streams = streams
+        self.names = names
+        #: the response's sends ended (its last went out, or it was cut)
+        self.ended = False
+
+    @property
+    def asked(self) -> bool:
+        """A cut was asked (a cancel reached it)."""
+        return self._slack is not None
 
     def attach(self, guard: SendGuard) -> None:
         """(``BoundedStreamingResponse``) The response's sends began under ``guard``."""
         self._guard = guard
+        if self._streams is not None and not self.ended:
+            self._streams.add(self)
         if self._slack is not None:
             self.cut(self._slack)
 
     def detach(self) -> None:
         self._guard = None
+        self.ended = True
+        if self._streams is not None:
+            self._streams.discard(self)
 
     def cut(self, slack: float) -> None:
         """Cut the send waiting now; no later send waits past ``slack`` seconds from now."""

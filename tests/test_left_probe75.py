@@ -1,0 +1,151 @@
+"""Stop 75 (left): what stop 74 left.
+
+1. A stream whose generation ended while its last send waits for a client that stopped
+   reading: the device's resources come back at once, and ``POST /admin/cancel/{id}``
+   finds it and cuts the send (202), not a 404 with everything held until the deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("httpx", reason="the server tests need the [server] extra")
+import httpx  # noqa: E402
+
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from test_server_support import (  # noqa: E402
+    ServeLikeServer,
+    metric_value,
+    oracle_tokens,
+    read_until_closed,
+    stalled_client,
+    started_executor,
+    wait_device_idle,
+    wait_for,
+)
+
+TOKEN = "left75-admin"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+WAIT_S = 30.0
+
+
+def stalled_at_the_tail(app, marker: bytes):
+    """``app`` whose first response body message carrying ``marker`` (the stream's tail: its
+    ``[DONE]``, the Responses' ``response.incomplete`` of a ``max_output_tokens`` end) is preceded by 4 MiB of SSE comment
+    (``:`` lines, which every client skips): on a client that reads nothing the server's send
+    waits right there, after the generation ended, whatever the socket buffers hold."""
+    async def wrapped(scope, receive, send):
+        padded = False
+
+        async def padding_send(message):
+            nonlocal padded
+            if (not padded and message.get("type") == "http.response.body"
+                    and marker in message.get("body", b"")):
+                padded = True
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": (b": " + b"x" * 1022 + b"\n") * 4096 + b"\n"})
+            await send(message)
+        await wrapped.app(scope, receive, padding_send)
+    wrapped.app = app
+    return wrapped
+
+
+def idle(service) -> bool:
+    return (service.active == 0 and service.sequences.in_use == 0
+            and service.releases_pending == 0 and not service.live_requests())
+
+
+@pytest.mark.parametrize(("path", "body", "marker"), [
+    ("/v1/completions", {"prompt": [1, 2, 3]}, b"[DONE]"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}, b"[DONE]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}, b"[DONE]"),
+    ("/v1/responses", {"input": "hello"}, b"event: response.incomplete")],
+    ids=["completions", "n2", "chat", "responses"])
+def test_a_stream_whose_generation_ended_gives_back_the_device_and_is_cancellable(
+        tmp_path, caplog, path, body, marker):
+    """The generation of 4 tokens ends; the tail's send waits for a client that reads
+    nothing (its deadline 600 s away). The sequence ids, KV blocks and slots are back at
+    once (nothing is generated any more), and a cancel by the response id finds the
+    response (202), cuts its send (the connection closed, no ``[DONE]``) and counts it
+    ``request.aborted``. Before stop 75: the cancel answered 404 and the stream held its
+    sequence until its deadline + ``deadline_slack_s``."""
+    caplog.set_level(logging.INFO)
+    tokens = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    service = app.state.service
+    try:
+        with ServeLikeServer(stalled_at_the_tail(app, marker), small_buffers=True) as server:
+            sock = stalled_client(server.port, {**body, tokens: 4, "stream": True,
+                                                "timeout": 600}, path)
+            try:
+                wait_for(lambda: metric_value(service.metrics.exposition().decode(),
+                                              "calexec_responses_send_waiting") == 1,
+                         WAIT_S, "the tail's send waiting for the client")
+                # the generation ended: nothing of the device is held for bytes already made
+                wait_for(lambda: service.sequences.in_use == 0, WAIT_S,
+                         "the sequence ids back while the tail waits")
+                wait_device_idle(executor, WAIT_S)
+                # (a request of several choices has no run left: each choice ended)
+                (ident,) = {cut.names[0] for cut in service.streams}
+                answer = httpx.post(f"{server.url}/admin/cancel/{ident}", headers=AUTH,
+                                    timeout=WAIT_S)
+                assert answer.status_code == 202, answer.text
+                wait_for(lambda: idle(service), WAIT_S, "the cut response ended")
+                raw, ended = read_until_closed(sock)
+                assert ended in ("eof", "reset"), (ended, len(raw))
+                assert b"data: [DONE]" not in raw
+            finally:
+                sock.close()
+            text = service.metrics.exposition().decode()
+            assert metric_value(text, "calexec_admin_cancels_total",
+                                {"outcome": "cancelled"}) == 1
+            assert metric_value(text, "calexec_request_failures_total",
+                                {"code": "request.client_stalled"}) is None
+            ok = httpx.post(f"{server.url}/v1/completions",
+                            json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=WAIT_S)
+            assert ok.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 3)
+        assert service.sequences.consistent() and service.sequences.withheld == 0
+    finally:
+        executor.shutdown(5.0)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+# ---- 2: chat's service_tier -------------------------------------------------------------------
+def test_a_chat_answer_says_the_service_tier_it_used_when_one_was_asked(tmp_path):
+    """OpenAI's ``ChatCompletion`` and ``ChatCompletionChunk``: "when the service_tier
+    parameter is set, the response body will include the service_tier value ... actually
+    used"; one tier serves here, ``default``, as the Responses route echoes. The whole answer,
+    every chunk (usage chunk included) and each choice's of ``n`` 2 say it, valid as the
+    SDK's types; an answer to a request without it is as before (no key). Before stop 75 no
+    chat answer carried it."""
+    openai_types = pytest.importorskip("openai.types.chat")
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        from test_server_support import LiveServer
+        with LiveServer(app) as server:
+            chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+            for tier in ("flex", "auto", "priority", "default"):
+                whole = httpx.post(f"{server.url}/v1/chat/completions",
+                                   json={**chat, "service_tier": tier}, timeout=WAIT_S).json()
+                assert whole["service_tier"] == "default", whole
+                openai_types.ChatCompletion.model_validate(whole, strict=False)
+            for n in (1, 2):
+                events = []
+                with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                                  json={**chat, "n": n, "stream": True, "service_tier": "flex",
+                                        "stream_options": {"include_usage": True}}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            events.append(__import__("json").loads(line[6:]))
+                assert events and all(e["service_tier"] == "default" for e in events), events
+                for e in events:
+                    openai_types.ChatCompletionChunk.model_validate(e)
+            plain = httpx.post(f"{server.url}/v1/chat/completions", json=chat,
+                               timeout=WAIT_S).json()
+            assert "service_tier" not in plain
+    finally:
+        executor.shutdown(5.0)
