@@ -9,9 +9,11 @@ import random
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import httpx
+
+from calexec import cliargs
 
 
 class Record:
@@ -86,21 +88,41 @@ def main(argv: list[str] | None = None) -> int:
     ``MAX_SECONDS`` passed, then one JSON line per request (``as_fields``, in the order they
     ended) and a last line ``{"alive": N, "crashed": [...]}``: clients still running after
     their bound, and what ended a client before the soak did (its requests stopped there)."""
-    url, clients, seed, max_seconds = (argv if argv is not None else sys.argv[1:])
+    args = list(argv if argv is not None else sys.argv[1:])
+    if len(args) != 4:
+        print(f"chaos_clients: usage: URL CLIENTS SEED MAX_SECONDS (got {len(args)} "
+              "arguments)", file=sys.stderr)
+        return 2
+    url = args[0]
     if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
         print(f"chaos_clients: url={url!r}: loopback only", file=sys.stderr)
         return 2
+    # the CLI's ASCII reading (cliargs): ``1_0`` and ``٣`` are no numbers here either (until
+    # stop 75 Python's int()/float() read them as 10 and 3; a bad one was a traceback)
+    clients, seed = cliargs.ascii_integer(args[1]), cliargs.ascii_integer(args[2])
+    max_seconds = cliargs.ascii_number(args[3])
+    for name, given, value, good in (
+            ("CLIENTS", args[1], clients, clients is not None and clients >= 1),
+            ("SEED", args[2], seed, seed is not None),
+            ("MAX_SECONDS", args[3], max_seconds,
+             max_seconds is not None and 0 < max_seconds < float("inf"))):
+        if not good:
+            need = {"CLIENTS": "an integer >= 1", "SEED": "an integer",
+                    "MAX_SECONDS": "a number of seconds > 0"}[name]
+            print(f"chaos_clients: {name}={given!r}: must be {need} in ASCII digits",
+                  file=sys.stderr)
+            return 2
     stop = threading.Event()
     out: list[Record] = []
     crashed: list[str] = []
 
     def client(index: int) -> None:
         try:
-            _client(url, index, int(seed), stop, out)
+            _client(url, index, cast(int, seed), stop, out)
         except BaseException as exc:  # noqa: BLE001 - reported in the last line
             crashed.append(f"client {index}: {exc!r}")
     threads = [threading.Thread(target=client, args=(i,), name=f"chaos-client-{i}",
-                                daemon=True) for i in range(int(clients))]
+                                daemon=True) for i in range(cast(int, clients))]
     for thread in threads:
         thread.start()
     print("started", flush=True)
@@ -109,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdin.read()
         stop.set()
     threading.Thread(target=until_eof, name="chaos-clients-stdin", daemon=True).start()
-    stop.wait(float(max_seconds))
+    stop.wait(cast(float, max_seconds))
     stop.set()
     end = time.monotonic() + 60  # a request's own timeout is 30 s
     for thread in threads:
