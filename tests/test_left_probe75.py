@@ -149,3 +149,91 @@ def test_a_chat_answer_says_the_service_tier_it_used_when_one_was_asked(tmp_path
             assert "service_tier" not in plain
     finally:
         executor.shutdown(5.0)
+
+
+# ---- 3: a chat tool message answering no call ------------------------------------------------
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+CALL2 = {**CALL, "id": "call_2"}
+USER = {"role": "user", "content": "weather?"}
+
+
+@pytest.mark.parametrize(("messages", "param", "words"), [
+    ([USER, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+     "messages.1.role", "must be a response to a preceeding message with 'tool_calls'"),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, USER],
+     "messages.0.role", "must be a response to a preceeding message with 'tool_calls'"),
+    ([USER, {"role": "assistant", "content": "let me see"},
+      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}],
+     "messages.2.role", "without tool_calls"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}],
+     "messages.2.tool_call_id", "'tool_call_id' of \"call_9\" not found in 'tool_calls' of "
+     "previous message (messages[1] calls \"call_1\")"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, USER,
+      {"role": "tool", "tool_call_id": "call_1", "content": "again"}],
+     "messages.4.role", "must be a response to a preceeding message with 'tool_calls'")],
+    ids=["after_user", "first", "after_assistant_text", "unknown_id", "after_a_later_turn"])
+def test_a_tool_message_answering_no_call_is_refused_as_openai_refuses_it(tmp_path, messages,
+                                                                         param, words):
+    """OpenAI answers 400 ``Invalid parameter: messages with role 'tool' must be a response
+    to a preceeding message with 'tool_calls'`` (``param: messages.[N].role``) and
+    ``'tool_call_id' of 'call_X' not found in 'tool_calls' of previous message``; so does
+    the server now, naming the message (``messages.N.role`` / ``messages.N.tool_call_id``).
+    Before stop 75: 200, the model reading an answer to a call it never made."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        from test_server_support import LiveServer
+        with LiveServer(app) as server:
+            answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                                json={"messages": messages, "max_tokens": 2})
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == param and words in error["message"], error
+            assert error["type"] == "invalid_request_error"
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_tool_messages_answering_the_calls_before_them_are_answered(tmp_path):
+    """What the SDKs and agent frameworks send: each call's answer after the assistant
+    message with the calls, several answers in a row, a later turn with calls of its own."""
+    history = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL, CALL2]},
+               {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+               {"role": "assistant", "content": "Sunny in Paris."}, USER,
+               {"role": "assistant", "content": "checking", "tool_calls": [
+                   {**CALL, "id": "call_3"}]},
+               {"role": "tool", "tool_call_id": "call_3", "content": "sunny"}]
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        from test_server_support import LiveServer
+        with LiveServer(app) as server:
+            answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                                json={"messages": history, "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+    finally:
+        executor.shutdown(5.0)
+
+
+# ---- 4: the chaos clients' own arguments -------------------------------------------------------
+@pytest.mark.parametrize(("argv", "named"), [
+    (["http://127.0.0.1:9", "1_0", "1", "1"], "CLIENTS='1_0'"),
+    (["http://127.0.0.1:9", "0", "1", "1"], "CLIENTS='0'"),
+    (["http://127.0.0.1:9", "1", "\u0663", "1"], "SEED='\u0663'"),
+    (["http://127.0.0.1:9", "1", "1", "1_0"], "MAX_SECONDS='1_0'"),
+    (["http://127.0.0.1:9", "1", "1", "nan"], "MAX_SECONDS='nan'"),
+    (["http://127.0.0.1:9", "1"], "usage: URL CLIENTS SEED MAX_SECONDS (got 2 arguments)")],
+    ids=["underscore", "zero", "arabic_indic", "seconds_underscore", "nan", "count"])
+def test_the_chaos_clients_read_their_numbers_as_the_cli_does(capsys, argv, named):
+    """``python -m calexec.drivers.tools.chaos_clients URL CLIENTS SEED MAX_SECONDS`` read its
+    numbers with Python's ``int()``/``float()``: ``1_0`` ran 10 clients, ``٣`` seeded 3, and
+    a missing argument was a ValueError traceback. Now the CLI's ASCII reading
+    (``cliargs.ascii_integer``/``ascii_number``): one line naming the argument, exit 2."""
+    from calexec.drivers.tools import chaos_clients
+    assert chaos_clients.main(argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1, err

@@ -840,6 +840,44 @@ def unknown_part_key(part: dict[str, Any], at: str, param: str) -> Refusal | Non
                            "refused"), f"{param}.{extra[0][:80]}")
 
 
+def tool_answer_refusal(messages: list[ChatMessage]) -> Refusal | None:
+    """The 400 of a ``tool`` message answering no call of the assistant message it follows,
+    in OpenAI's words (None when each answers one): a tool message must follow an assistant
+    message with ``tool_calls`` (other tool messages between them, the answers to its other
+    calls), ``param: messages.N.role``, and its ``tool_call_id`` must be one of those calls'
+    ids, ``param: messages.N.tool_call_id``. Until stop 75 either was taken: the model read an
+    answer to a call it never made (a history trimmed between the call and its answer, a
+    mistyped id). The Responses API's ``function_call_output`` has its own rule
+    (``responses_api.orphan_output``: a ``function_call`` item of the input has its
+    ``call_id``). A tool message without ``tool_call_id`` is ``content_refusal``'s."""
+    calls: list[str] | None = None  # the ids of the assistant message the tool ones answer
+    called_at = -1
+    for index, message in enumerate(messages):
+        if message.role == "assistant" and message.tool_calls:
+            calls = [call.get("id") for call in message.tool_calls if isinstance(call, dict)]
+            called_at = index
+        elif message.role != "tool":
+            calls = None
+        elif message.tool_call_id is None:
+            continue
+        elif calls is None:
+            before = (f"messages[{index - 1}] is a {shown(messages[index - 1].role, 40)} "
+                      "message" + (" without tool_calls" if messages[index - 1].role
+                                   == "assistant" else "") if index else "it is the first")
+            return Refusal(invalid(
+                f"messages[{index}].role='tool': messages with role 'tool' must be a response "
+                f"to a preceeding message with 'tool_calls' ({before}; send the assistant "
+                "message with the call before its answer)"), f"messages.{index}.role")
+        elif message.tool_call_id not in calls:
+            listed = ", ".join(shown(str(c), 60) for c in calls[:8]) or "none with an id"
+            return Refusal(invalid(
+                f"messages[{index}].tool_call_id={shown(message.tool_call_id, 80)}: "
+                f"'tool_call_id' of {shown(message.tool_call_id, 80)} not found in "
+                f"'tool_calls' of previous message (messages[{called_at}] calls {listed})"),
+                f"messages.{index}.tool_call_id")
+    return None
+
+
 def message_text(message: ChatMessage, index: int) -> str:
     """The text of a message: a string, or its text parts (:data:`TEXT_PARTS`; an assistant's
     ``refusal`` parts, which the SDK's ``ChatCompletionAssistantMessageParam`` allows, by
@@ -1787,6 +1825,10 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
             if plan is not None:  # (no copy of the params when there is no grammar)
                 params = attrs.evolve(params, grammar=plan)
             ids = chat_prompt(body, tools)
+            if prompt_param == "messages":  # (the Responses API's input: its own rule)
+                orphan = tool_answer_refusal(body.messages)
+                if orphan is not None:
+                    raise orphan
             wanted = (body.max_completion_tokens or body.max_tokens
                       or chat_default(len(ids), prompt_param))
         except Refusal as err:
