@@ -106,7 +106,7 @@ from calexec.machines.generation import Generation, open_generation
 from calexec.machines.job import SHUTDOWN_CALLED, InferenceResult, Job, JobHandle
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.locks import RECOVERY
-from calexec.machines.served_files import ServedFiles
+from calexec.machines.served_files import ROLLBACK_CHANGED, ServedFiles
 
 if TYPE_CHECKING:
     from calexec.contracts.manifest import Manifest
@@ -995,12 +995,17 @@ class DeviceLifecycle:
                 with self.mu:
                     self._claimed = None
 
-    def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
+    def switch_model(self, calbin_path: str | os.PathLike[str],
+                     without_rollback: bool = False) -> Status:
         """Model switch through the lifecycle: the new calbin goes live only after its golden
         passes; otherwise the previous one is configured again and keeps serving. A path that
         is no path (None, an int; a ``pathlib.Path`` is taken as its str) is refused
         ``calbin.path_required`` before the lifecycle moves: the drain and teardown would run
-        and the open of generation+1 raise, leaving no generation at all."""
+        and the open of generation+1 raise, leaving no generation at all. A switch whose roll
+        back could restore nothing (the calbin it rolls back to written over in place since
+        it served) is refused ``calbin.rollback_changed`` before anything moves, unless
+        ``without_rollback``: then it goes on, and a refusal of ``calbin_path`` ends the
+        lifecycle Failed (``_rollback_lost``)."""
         if isinstance(calbin_path, os.PathLike):
             calbin_path = os.fspath(calbin_path)
         if not isinstance(calbin_path, str):
@@ -1010,9 +1015,48 @@ class DeviceLifecycle:
         refused = self._reread_goldens()
         if refused is not None:
             return refused
+        refused = self._rollback_lost(calbin_path)
+        if refused is not None and not without_rollback:
+            return refused
+        if refused is not None:
+            log.warning("switch to %s without a roll back, as asked: %s",
+                        fields.shown(calbin_path, 300), refused.message)
         return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
                                            Phase.RECOVERY, f"switch to {fields.shown(calbin_path, 300)}"),
                             reset=False, calbin_path=calbin_path)
+
+    def _rollback_lost(self, target: str) -> Status | None:
+        """(``switch_model``, before the lifecycle moves) The refusal of a switch to ``target``
+        whose roll back could restore nothing: the calbin a refusal of ``target`` would roll
+        back to (``_recover_held``'s choice: the last good other calbin, or the serving path
+        itself when reloaded) was written over in place since it served (``cp`` over it),
+        so its bytes are gone (``ServedFiles.changed``). Until stop 75 the switch went on and,
+        were ``target`` refused, the roll back was refused ``calbin.changed`` and the
+        lifecycle ended Failed, the model still on the device no longer served. Refused,
+        nothing moves: the model that serves goes on serving."""
+        gen = self._host.gen
+        current = gen.calbin_path if gen is not None else None
+        rollback = (target if target == current and target in self.good_calbins
+                    else self._last_good_other(exclude=target) if target != current else None)
+        if rollback is None:
+            return None
+        lost = self._served_files.changed(rollback)
+        if lost is None:
+            return None
+        served, now = lost
+        what = ("it" if rollback == target
+                else f"the calbin it would roll back to, {fields.shown(rollback, 300)},")
+        return Status.failure(
+            ROLLBACK_CHANGED, Category.ARTIFACT, Phase.VALIDATE,
+            f"switch to {fields.shown(target, 300)} refused, nothing moved, the model that "
+            f"serves goes on: were it refused, {what} could not be restored: "
+            f"{fields.shown(rollback, 300)} was written over in place since it served (sha256 "
+            f"{served[:16]}..., the file now {now[:16]}...: a cp over it), so no copy of what "
+            "served is left and the lifecycle would end Failed; write the new calbin to a new "
+            "path, or to a new file renamed over the old one (mv), and restart the server "
+            "with it; or switch anyway, with no roll back (a refusal then ends the lifecycle "
+            "Failed): without_rollback (POST /admin/reload {\"calbin\": PATH, "
+            "\"without_rollback\": true})")
 
     def _manifest_flag(self) -> str:
         """`` --manifest M`` when the manifest is not the packaged one: ``golden record``

@@ -477,12 +477,15 @@ class DeviceExecutor(SequenceOwnership):
         self.refuse_on_worker_thread("recover")
         return self.life.recover(reason, reset, calbin_path)
 
-    def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
+    def switch_model(self, calbin_path: str | os.PathLike[str],
+                     without_rollback: bool = False) -> Status:
         """Model switch through the lifecycle; a refused calbin rolls back
-        (``DeviceLifecycle.switch_model``). Called on the submitter or completion thread (a
-        done callback) it raises RuntimeError, changing nothing (``refuse_on_worker_thread``)."""
+        (``DeviceLifecycle.switch_model``; ``without_rollback``: also when the calbin it rolls
+        back to was written over in place, a refusal then ending it Failed). Called on the
+        submitter or completion thread (a done callback) it raises RuntimeError, changing
+        nothing (``refuse_on_worker_thread``)."""
         self.refuse_on_worker_thread("switch_model")
-        return self.life.switch_model(calbin_path)
+        return self.life.switch_model(calbin_path, without_rollback)
 
     def check_calbin(self, calbin_path: object, max_bytes: int | None = None,
                      hash_pin: bool = True) -> Status:

@@ -16,6 +16,7 @@ of the path loads the path as before: that is a new calbin.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
@@ -29,6 +30,9 @@ HELD_MAX = 4
 
 #: the code of a restore refused because the path no longer holds what served
 CALBIN_CHANGED = "calbin.changed"
+#: the code of a model switch refused before anything moved because the calbin it would roll
+#: back to was written over in place since it served (``ServedFiles.changed``, stop 75)
+ROLLBACK_CHANGED = "calbin.rollback_changed"
 
 
 class ServedFiles:
@@ -39,14 +43,19 @@ class ServedFiles:
         self._held_max = held_max
         self._fds: dict[str, int] = {}  # newest last
         self._sha: dict[str, str] = {}
+        #: the held file's (size, mtime, ctime) when its sha256 was last known to be the
+        #: served one: a write in place changes its ctime (``changed`` hashes it only then)
+        self._looks: dict[str, tuple[int, int, int]] = {}
 
     def served(self, path: str, sha256: str) -> None:
         """``path`` reached Ready with a calbin of ``sha256``: hold it open (kept as it is
-        when the one held already served with this sha256: the path may hold another file
-        by now)."""
+        when the one held already served with this sha256 and was not written since: the
+        path may hold another file by now; one written over in place holds nothing that
+        served, the path's file is held instead: a switch to a new file renamed over it)."""
         with self._mu:
             held = self._fds.pop(path, None)
-            if held is not None and self._sha.get(path) == sha256:
+            if (held is not None and self._sha.get(path) == sha256
+                    and _looks(os.fstat(held)) == self._looks.get(path)):
                 self._fds[path] = held
                 return
             if held is not None:
@@ -55,9 +64,35 @@ class ServedFiles:
             fd = _open_regular(path)
             if fd is not None:
                 self._fds[path] = fd
+                self._looks[path] = _looks(os.fstat(fd))
             while len(self._fds) > self._held_max:
                 oldest = next(iter(self._fds))
                 os.close(self._fds.pop(oldest))
+                self._looks.pop(oldest, None)
+
+    def changed(self, path: str) -> tuple[str, str] | None:
+        """(the sha256 ``path`` served with, the sha256 of the file held now) when the file a
+        restore of ``path`` would load (the one held open) no longer holds what served: it
+        was written over in place (``cp new.calbin served.calbin``), and no copy of what
+        served is left to restore. None when it still holds it, or when no file of ``path``
+        is held (a restore then checks the path's sha256 as it loads it). The file is hashed
+        only when its size, mtime or ctime moved since it served (any write moves its
+        ctime): a model switch's check, not a read of every byte at each reload."""
+        with self._mu:
+            sha, fd = self._sha.get(path), self._fds.get(path)
+            if sha is None or fd is None:
+                return None
+            try:
+                looks = _looks(os.fstat(fd))
+                if looks == self._looks.get(path):
+                    return None
+                now = _pread_sha256(fd)  # (pread: the held file's offset is not moved)
+            except OSError:
+                return None
+            if now == sha:  # (the same bytes written again: still what served)
+                self._looks[path] = looks
+                return None
+            return sha, now
 
     def source(self, path: str) -> tuple[str, str | None]:
         """(what to load to restore ``path``, the sha256 it served with or None): the file
@@ -85,6 +120,7 @@ class ServedFiles:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._looks.clear()
 
 
 def _open_regular(path: str) -> int | None:
@@ -101,6 +137,20 @@ def _open_regular(path: str) -> int | None:
         pass
     os.close(fd)
     return None
+
+
+def _pread_sha256(fd: int, piece: int = 1 << 20) -> str:
+    digest, at = hashlib.sha256(), 0
+    while True:
+        chunk = os.pread(fd, piece, at)
+        if not chunk:
+            return digest.hexdigest()
+        digest.update(chunk)
+        at += len(chunk)
+
+
+def _looks(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _replaced(path: str, fd: int) -> bool:

@@ -237,3 +237,85 @@ def test_the_chaos_clients_read_their_numbers_as_the_cli_does(capsys, argv, name
     assert chaos_clients.main(argv) == 2
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1, err
+
+
+# ---- 5: a model switch whose roll back target was written over in place -----------------------
+OTHER_SEED = 12345  # a calbin of another model, whose golden nobody pinned: always refused
+
+
+def reload(server, path, **more) -> httpx.Response:
+    return httpx.post(f"{server.url}/admin/reload", json={"calbin": str(path), **more},
+                      headers=AUTH, timeout=120)
+
+
+@pytest.mark.parametrize("target", ["another", "the_serving_path"])
+def test_a_switch_that_could_not_roll_back_is_refused_before_anything_moves(tmp_path, target):
+    """``cp new.calbin served.calbin`` while it serves (a write in place: the file held open
+    since it served holds the new bytes too), then ``POST /admin/reload`` of a calbin that is
+    refused (its golden not pinned), another path or the serving one: the roll back had
+    nothing to restore, ``calbin.changed``, and the server ended Failed (the model on the
+    device no longer served). Now the reload is refused before anything moves, a 409
+    ``calbin.rollback_changed`` naming the path written over and what to do; the model that
+    served goes on serving, and the operator who accepts it switches with
+    ``without_rollback: true``."""
+    from calexec.drivers.synthetic import calbin
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    try:
+        from test_server_support import LiveServer
+        with LiveServer(app) as server:
+            served = tmp_path / "synthetic.calbin"
+            sha = executor.gen.sha256
+            calbin.write(str(served), calbin.default_spec(seed=OTHER_SEED))  # (in place)
+            other = tmp_path / "other.calbin"
+            calbin.write(str(other), calbin.default_spec(seed=OTHER_SEED))
+            answer = reload(server, other if target == "another" else served)
+            assert answer.status_code == 409, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "calbin.rollback_changed" and error["param"] == "calbin"
+            assert error["type"] == "invalid_request_error", error
+            assert answer.headers["x-should-retry"] == "false"  # (a retry meets the same)
+            message = error["message"]
+            assert f'"{served}" was written over in place since it served' in message, message
+            assert "nothing moved" in message and "(mv)" in message, message
+            assert '"without_rollback": true' in message, message
+            assert executor.state == "Ready" and executor.gen.sha256 == sha
+            ok = httpx.post(f"{server.url}/v1/completions",
+                            json={"prompt": [5, 6, 7], "max_tokens": 3}, timeout=WAIT_S)
+            assert ok.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 3)
+            bad = reload(server, served, without_rollback="yes")
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "without_rollback"
+            # the operator accepts no roll back: a calbin whose golden is pinned (the
+            # default spec, written to a new file renamed over the path) switches
+            new = tmp_path / "synthetic.calbin.new"
+            calbin.write(str(new), calbin.default_spec())
+            new.replace(served)
+            switched = reload(server, served, without_rollback=True)
+            assert switched.status_code == 200, switched.text
+            assert executor.state == "Ready" and executor.gen.sha256 == sha
+            # and the file it serves from now is held as it is: a switch rolls back again
+            refused = reload(server, other)
+            assert refused.status_code == 500, refused.text
+            assert refused.json()["error"]["code"] == "recovery.rolled_back"
+            assert executor.state == "Ready" and executor.gen.sha256 == sha
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_calbin_rewritten_with_the_same_bytes_still_rolls_back(tmp_path):
+    """The check hashes the held file only once its ctime moved, and a file written again
+    with the bytes that served (``cp`` of the same calbin) still rolls back: a refused switch
+    answers 500 ``recovery.rolled_back`` and the model that served serves again."""
+    from calexec.drivers.synthetic import calbin
+    executor = started_executor(tmp_path)
+    try:
+        served = tmp_path / "synthetic.calbin"
+        sha = executor.gen.sha256
+        calbin.write(str(served), calbin.default_spec())  # (the same bytes, in place)
+        other = tmp_path / "other.calbin"
+        calbin.write(str(other), calbin.default_spec(seed=OTHER_SEED))
+        status = executor.switch_model(str(other))
+        assert status.code == "recovery.rolled_back", status
+        assert executor.state == "Ready" and executor.gen.sha256 == sha
+    finally:
+        executor.shutdown(5.0)

@@ -8,6 +8,7 @@ or ``x-request-id`` is ``id`` (``CompletionService.cancel``): its client gets 40
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -83,7 +84,7 @@ def query_refusal(request: Request, allowed: tuple[str, ...], usage: str
 
 
 #: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
-RELOAD_KEYS = ("calbin",)
+RELOAD_KEYS = ("calbin", "without_rollback")
 #: what the 413 of a ``/admin/reload`` body over ``max_body_bytes`` says (a calbin's bytes
 #: sent as the body, ``curl --data-binary @model.calbin``, were told to send fewer or shorter
 #: prompts or to raise ``--max-body-bytes`` until stop 71)
@@ -171,6 +172,10 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
         name = unknown[0][:80]
         return invalid(f"{name}: unknown parameter, refused (the body is "
                        "{\"calbin\": PATH})"), name
+    without = body.get("without_rollback", False)
+    if not isinstance(without, bool):  # (JSON's true or false, as the API's StrictBool)
+        return invalid(f"without_rollback={shown(without, 80)}: must be true or false (true: "
+                       "switch even when a refusal could not roll back)"), "without_rollback"
     return body
 
 
@@ -378,9 +383,11 @@ def add_admin_routes(app: FastAPI, owner: RouteService) -> None:
         try:
             log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
                      wire.request_id(request.scope))
+            switch = (functools.partial(service.executor.switch_model, without_rollback=True)
+                      if body.get("without_rollback") else service.executor.switch_model)
             status = await service.operator_call(
                 f"POST /admin/reload: the model switch to calbin {shown(path, 300)}",
-                service.executor.switch_model, path)
+                switch, path)
             if isinstance(status, OperatorBusy):  # nothing moved
                 return error_response(status.status, "calbin", retry_after=retry)
             executor = service.executor

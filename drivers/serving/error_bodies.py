@@ -49,10 +49,18 @@ NOT_RETRYABLE_HTTP = frozenset({501, 505})
 #: closed the request, which this one's did not: it reads the answer) is 409, gRPC's
 #: ABORTED: "the operation was aborted", the request is no longer served; a 5xx would say
 #: the server failed (and every SDK retries one), a 499 that nobody reads the answer
-HTTP_OF_CODE = {"request.aborted": 409}
+HTTP_OF_CODE = {"request.aborted": 409,
+                # (a reload refused, nothing moved: the serving calbin was written over in
+                # place, a refused switch could not roll back: the server's state, not the
+                # request, is in the way)
+                "calbin.rollback_changed": 409}
+#: Status codes whose error ``type`` is not their HTTP status's: a reload refused as the
+#: other ``calbin.*`` refusals of the reload are (``invalid_request_error``), though a 409 (a
+#: cancel's ``cancelled_error``)
+TYPE_OF_CODE = {"calbin.rollback_changed": "invalid_request_error"}
 #: Status codes no retry of the same request should follow (``x-should-retry: false``): an
 #: operator cancelled it (the OpenAI SDKs retry a 409 unless told not to)
-NOT_RETRYABLE_CODES = frozenset({"request.aborted"})
+NOT_RETRYABLE_CODES = frozenset({"request.aborted", "calbin.rollback_changed"})
 
 
 def http_status_of(status: Status) -> int:
@@ -113,7 +121,7 @@ def error_body(status: Status, param: str | None = None,
     """The OpenAI-shaped ``error`` object of a failure (also the SSE error event's)."""
     code = http_status_of(status) if http_status is None else http_status
     return {"message": status.message or status.code,
-            "type": ERROR_TYPE.get(code, "server_error"),
+            "type": TYPE_OF_CODE.get(status.code) or ERROR_TYPE.get(code, "server_error"),
             "code": OPENAI_CODE.get(status.code, status.code), "param": param}
 
 
