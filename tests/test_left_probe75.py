@@ -33,9 +33,10 @@ WAIT_S = 30.0
 
 def stalled_at_the_tail(app, marker: bytes):
     """``app`` whose first response body message carrying ``marker`` (the stream's tail: its
-    ``[DONE]``, the Responses' ``response.incomplete`` of a ``max_output_tokens`` end) is preceded by 4 MiB of SSE comment
-    (``:`` lines, which every client skips): on a client that reads nothing the server's send
-    waits right there, after the generation ended, whatever the socket buffers hold."""
+    ``[DONE]``, the Responses' ``response.incomplete`` of a ``max_output_tokens`` end) is
+    preceded by 4 MiB of SSE comment (``:`` lines, which every client skips): on a client
+    that reads nothing the server's send waits right there, after the generation ended,
+    whatever the socket buffers hold."""
     async def wrapped(scope, receive, send):
         padded = False
 

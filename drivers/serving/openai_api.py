@@ -850,7 +850,7 @@ def tool_answer_refusal(messages: list[ChatMessage]) -> Refusal | None:
     mistyped id). The Responses API's ``function_call_output`` has its own rule
     (``responses_api.orphan_output``: a ``function_call`` item of the input has its
     ``call_id``). A tool message without ``tool_call_id`` is ``content_refusal``'s."""
-    calls: list[str] | None = None  # the ids of the assistant message the tool ones answer
+    calls: list[Any] | None = None  # the ids of the assistant message the tool ones answer
     called_at = -1
     for index, message in enumerate(messages):
         if message.role == "assistant" and message.tool_calls:

@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     # stop 75 Python's int()/float() read them as 10 and 3; a bad one was a traceback)
     clients, seed = cliargs.ascii_integer(args[1]), cliargs.ascii_integer(args[2])
     max_seconds = cliargs.ascii_number(args[3])
-    for name, given, value, good in (
-            ("CLIENTS", args[1], clients, clients is not None and clients >= 1),
-            ("SEED", args[2], seed, seed is not None),
-            ("MAX_SECONDS", args[3], max_seconds,
+    for name, given, good in (
+            ("CLIENTS", args[1], clients is not None and clients >= 1),
+            ("SEED", args[2], seed is not None),
+            ("MAX_SECONDS", args[3],
              max_seconds is not None and 0 < max_seconds < float("inf"))):
         if not good:
             need = {"CLIENTS": "an integer >= 1", "SEED": "an integer",
