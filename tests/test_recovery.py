@@ -900,7 +900,8 @@ def lifecycle_scenarios(calbins):
         ex.switch_model(calbins["missing"])
     # a switch whose rollback fails too ends Failed with the reason (§9.2): the last good
     # calbin was written over in place, and there is nothing left to roll back to (removed,
-    # or a new file renamed over it, the file that served is held open and restored: stop 73)
+    # or a new file renamed over it, the file that served is held open and restored: stop 73);
+    # since stop 75 such a switch is refused before anything moves unless without_rollback
     with running_executor(calbins["main"]) as ex:
         copy = calbins["main"] + ".copy"
         shutil.copyfile(calbins["main"], copy)
@@ -908,6 +909,8 @@ def lifecycle_scenarios(calbins):
         with open(copy, "wb") as f:  # (the same file: its bytes are gone)
             f.write(b"not a calbin any more\n")
         status = ex.switch_model(calbins["missing"])
+        assert status.code == "calbin.rollback_changed" and ex.state == "Ready", status
+        status = ex.switch_model(calbins["missing"], without_rollback=True)
         assert not status.ok and ex.state == "Failed", (status, ex.state)
     # Ready -> Failed (compatibility)
     with running_executor(calbins["main"]) as ex:
