@@ -2313,8 +2313,9 @@ class CompletionService:
                     repeated = True
                     continue
                 if run.done or run.closed:  # its generation ended: its answer is going out
-                    # (the stream's cut below ends it request.aborted if it cuts a send)
-                    run.cancelled = aborted(ident, run.seq_id)
+                    if run.send_cut is not None and not run.send_cut.ended:
+                        # (a stream: the cut below ends it request.aborted if it cuts a send)
+                        run.cancelled = aborted(ident, run.seq_id)
                     continue
                 run.cancelled = aborted(ident, run.seq_id)
             told += 1
