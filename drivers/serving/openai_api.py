@@ -2278,6 +2278,11 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                     yield wire.sse({"error": error_bodies.error_body(
                         status, param or error_bodies.PARAM_OF_CODE.get(status.code))})
                     return
+                if state.sending is not None and state.sending.why is not None:
+                    # an operator's cancel after every choice ended (each counted as it
+                    # ended), before the tail went out: its error event, not [DONE]
+                    yield wire.sse({"error": error_bodies.error_body(state.sending.why, None)})
+                    return
                 tail = b"data: [DONE]\n\n"
                 if usage_chunk:
                     tail = wire.sse({**head._head(chunk=True), "choices": [],
@@ -2364,6 +2369,11 @@ def add_routes(app: FastAPI, owner: RouteService, fail: Callable[..., Response]
                 await service.generation_ended(run)
                 if ready:  # (the stream ended without a token that said so)
                     yield b"".join(ready)
+                if run.status is None and run.cancelled is not None:
+                    # an operator's cancel after the generation ended, before the tail went
+                    # out: its error event, not [DONE] (counted request.aborted), as a cancel
+                    # of a stream still generating
+                    run.status = run.cancelled
                 if run.status is not None:
                     if progress is not None:
                         progress({"error": run.status.code,

@@ -2332,9 +2332,11 @@ class CompletionService:
             if cut.asked:  # (a run told above cut it: its generation goes on)
                 continue
             # its generation ended (stop 75): what it held on the device is back; a send
-            # waiting for the client now, or one that would wait, is cut (the connection
-            # aborted, no [DONE]); one the client's socket takes at once still goes out
-            cut.cut(0.0)
+            # waiting for the client now is cut (the connection aborted, no [DONE]); a
+            # client that reads gets the request.aborted error event instead of the tail,
+            # each later send bounded by deadline_slack_s, as for a stream still generating
+            cut.why = aborted(ident)
+            cut.cut(self.config.deadline_slack_s)
             ended += 1
         if ended and not told:
             log.info("admin: cancelled request %s whose generation had ended: its response's "

@@ -919,6 +919,10 @@ class SendCut:
         self.names = names
         #: the response's sends ended (its last went out, or it was cut)
         self.ended = False
+        #: what a cancel that found the response after its generation ended cut it with
+        #: (``CompletionService.cancel``: the ``request.aborted`` Status): the response sends
+        #: that error event instead of its tail
+        self.why: Any = None
 
     @property
     def asked(self) -> bool:
