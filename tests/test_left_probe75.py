@@ -3,10 +3,17 @@
 1. A stream whose generation ended while its last send waits for a client that stopped
    reading: the device's resources come back at once, and ``POST /admin/cancel/{id}``
    finds it and cuts the send (202), not a 404 with everything held until the deadline.
+2. Chat answers say the ``service_tier`` used when the request set one.
+3. A chat ``tool`` message answering no call of the assistant message before it: OpenAI's
+   400s.
+4. ``chaos_clients`` reads its own numbers as the CLI does.
+5. A model switch whose roll back could restore nothing (the calbin written over in place)
+   is refused before anything moves.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -141,7 +148,7 @@ def test_a_chat_answer_says_the_service_tier_it_used_when_one_was_asked(tmp_path
                                         "stream_options": {"include_usage": True}}) as r:
                     for line in r.iter_lines():
                         if line.startswith("data: {"):
-                            events.append(__import__("json").loads(line[6:]))
+                            events.append(json.loads(line[6:]))
                 assert events and all(e["service_tier"] == "default" for e in events), events
                 for e in events:
                     openai_types.ChatCompletionChunk.model_validate(e)
@@ -318,5 +325,42 @@ def test_a_calbin_rewritten_with_the_same_bytes_still_rolls_back(tmp_path):
         status = executor.switch_model(str(other))
         assert status.code == "recovery.rolled_back", status
         assert executor.state == "Ready" and executor.gen.sha256 == sha
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_cancel_after_the_generation_ended_gives_a_reading_client_the_error_event(tmp_path):
+    """A client that reads: the cancel (by the response id) comes while the last token's
+    chunk goes out, the generation of ``max_tokens`` 1 ended. The answer is 202 and the
+    stream ends with the ``request.aborted`` error event, never a 202 followed by
+    ``[DONE]`` (what ``bench soak --cancels`` checks), counted ``request.aborted``. Before
+    stop 75 the cancel answered 404 and the stream ended with ``[DONE]``."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    service = app.state.service
+    told: list = []
+
+    async def cancelling(scope, receive, send):
+        async def on_token(message):
+            body = message.get("body", b"")
+            if not told and message.get("type") == "http.response.body" and b'"text"' in body:
+                ident = json.loads(body.split(b"data: ", 1)[1].split(b"\n")[0])["id"]
+                told.append(service.cancel(ident))  # (on the loop, as the admin route calls it)
+            await send(message)
+        await app(scope, receive, on_token)
+    try:
+        from test_server_support import LiveServer
+        with LiveServer(cancelling) as server:
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=WAIT_S,
+                              json={"prompt": [1, 2, 3], "max_tokens": 1, "stream": True}) as r:
+                raw = r.read()
+            assert told and told[0].outcome == "cancelled", told
+            assert b"data: [DONE]" not in raw, raw
+            assert b'"request.aborted"' in raw, raw
+            wait_for(lambda: idle(service), WAIT_S, "the request ended")
+            text = service.metrics.exposition().decode()
+            assert metric_value(text, "calexec_request_failures_total",
+                                {"code": "request.aborted"}) == 1
+        wait_device_idle(executor, WAIT_S)
     finally:
         executor.shutdown(5.0)
