@@ -2282,9 +2282,10 @@ class CompletionService:
         response id another's ``x-request-id``, or two clients' one ``X-Request-Id``) tells
         none (``ambiguous``). Idempotent: a request told already is ``repeated``, told
         nothing more. A stream whose generation ended and whose response is still going out
-        (``streams``) is cancelled too: a send of it waiting for its client, or one that
-        would wait, is cut (``wire.SendCut``), a single choice's request counted
-        ``request.aborted`` (until stop 75 a 404, the stream held until its deadline)."""
+        (``streams``) is cancelled too: a send of it waiting for its client is cut
+        (``wire.SendCut``), a tail not sent yet replaced by the ``request.aborted`` error
+        event, a single choice's request counted ``request.aborted`` (until stop 75 a 404,
+        the stream held until its deadline)."""
         runs = [run for run in list(self._live.values())
                 if ident in (run.response_id, run.x_request_id) and not run.finished]
         opened = [entry for entry in [*self._open.values(), *self._arriving.values()]
