@@ -74,11 +74,13 @@ class NoTokenLeft(SamplingError):
     body field to change."""
 
 
-# The scalar validators below raise where their test fails, without :func:`_check`: its
-# message was formatted (``f"...{PENALTY_RANGE:g}..."``) and a call made for every field of
-# every request's parameters, about 10 of the event loop's Python calls a request (issue 28,
-# stop 73); the loops over a field's items keep it. They test :func:`_is_number` written
-# out (6 calls a request fewer).
+# The validators below raise where their test fails, without :func:`_check`: its message
+# was formatted (``f"...{PENALTY_RANGE:g}..."``) and a call made for every field of every
+# request's parameters, about 10 of the event loop's Python calls a request (issue 28, stop
+# 73); the loops over a field's items keep it. They test :func:`_is_number` written out.
+# Since stop 75 they are no attrs validators: ``SamplingParams.__attrs_post_init__`` asks
+# each field's in the order of the fields, and only for a value its cheap test (a float, an
+# int or an empty tuple in range, each accepted by the validator too) does not take.
 def _check(field: str, ok: bool, value: Any, why: str) -> None:
     if not ok:
         raise SamplingError(field, value, why)
@@ -91,67 +93,68 @@ def _check_count(field: str, value: Sized, limit: int, what: str) -> None:
 
 #: the types a number field takes (a bool aside: :func:`_is_number`)
 _NUMBERS = (int, float, np.integer, np.floating)
+_INF = math.inf
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, _NUMBERS) and not isinstance(value, bool)
 
 
-def _validate_temperature(_inst: Any, _attr: Any, value: float) -> None:
+def _validate_temperature(value: Any) -> None:
     if not (isinstance(value, _NUMBERS) and not isinstance(value, bool)
             and math.isfinite(value) and 0.0 <= value <= 2.0):
         raise SamplingError("temperature", value, "must be a number in [0, 2]")
 
 
-def _validate_top_p(_inst: Any, _attr: Any, value: float) -> None:
+def _validate_top_p(value: Any) -> None:
     if not (isinstance(value, _NUMBERS) and not isinstance(value, bool)
             and math.isfinite(value) and 0.0 < value <= 1.0):
         raise SamplingError("top_p", value, "must be a number in (0, 1]")
 
 
-def _validate_top_k(_inst: Any, _attr: Any, value: int) -> None:
+def _validate_top_k(value: Any) -> None:
     if not (fields.is_int(value) and (value >= 1 or value in (0, -1))):
         raise SamplingError("top_k", value, "must be an integer >= 1, or 0 / -1 for all tokens")
 
 
-def _validate_seed(_inst: Any, _attr: Any, value: int | None) -> None:
+def _validate_seed(value: Any) -> None:
     if not (value is None or (fields.is_int(value) and SEED_MIN <= value <= SEED_MAX)):
         raise SamplingError("seed", value, f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
 
 
-def _validate_stop(_inst: Any, _attr: Any, value: tuple[str, ...]) -> None:
+def _validate_stop(value: tuple[str, ...]) -> None:
     _check_count("stop", value, MAX_STOP_STRINGS, "stop strings")
     for i, s in enumerate(value):
         _check(f"stop[{i}]", isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS, s,
                f"must be a non-empty string of at most {MAX_STOP_CHARS} characters")
 
 
-def _validate_stop_ids(_inst: Any, _attr: Any, value: tuple[int, ...]) -> None:
+def _validate_stop_ids(value: tuple[int, ...]) -> None:
     _check_count("stop_token_ids", value, MAX_STOP_TOKEN_IDS, "ids")
     for i, t in enumerate(value):
         _check(f"stop_token_ids[{i}]", fields.is_token_id(t), t, "must be an integer >= 0")
 
 
-def _validate_min_p(_inst: Any, _attr: Any, value: float) -> None:
+def _validate_min_p(value: Any) -> None:
     if not (isinstance(value, _NUMBERS) and not isinstance(value, bool)
             and math.isfinite(value) and 0.0 <= value <= 1.0):
         raise SamplingError("min_p", value, "must be a number in [0, 1]")
 
 
-def _validate_repetition(_inst: Any, _attr: Any, value: float) -> None:
+def _validate_repetition(value: Any) -> None:
     if not (isinstance(value, _NUMBERS) and not isinstance(value, bool)
             and math.isfinite(value) and value > 0.0):
         raise SamplingError("repetition_penalty", value, "must be a number > 0 (1 = off)")
 
 
-def _validate_penalty(_inst: Any, attr: Any, value: float) -> None:
+def _validate_penalty(name: str, value: Any) -> None:
     if not (isinstance(value, _NUMBERS) and not isinstance(value, bool)
             and math.isfinite(value) and -PENALTY_RANGE <= value <= PENALTY_RANGE):
-        raise SamplingError(attr.name, value,
+        raise SamplingError(name, value,
                             f"must be a number in [{-PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
 
 
-def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float], ...]) -> None:
+def _validate_logit_bias(value: tuple[tuple[int, float], ...]) -> None:
     _check_count("logit_bias", value, MAX_LOGIT_BIAS, "entries")
     for token, bias in value:
         _check(f"logit_bias[{fields.shown(token)}]", fields.is_token_id(token), token,
@@ -161,17 +164,22 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
                f"must be a number in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
 
-def _validate_min_tokens(_inst: Any, _attr: Any, value: int) -> None:
+def _validate_min_tokens(value: Any) -> None:
     if not (fields.is_int(value) and value >= 0):
         raise SamplingError("min_tokens", value, "must be an integer >= 0")
 
 
-def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> None:
+def _validate_allowed(value: tuple[int, ...] | None) -> None:
     if value is None:
         return
     _check("allowed_token_ids", len(value) > 0, list(value), "must not be empty (null: all)")
     for i, t in enumerate(value):
         _check(f"allowed_token_ids[{i}]", fields.is_token_id(t), t, "must be an integer >= 0")
+
+
+def _validate_logprobs(value: Any) -> None:
+    if not (value is None or (fields.is_int(value) and 0 <= value <= MAX_LOGPROBS)):
+        raise SamplingError("logprobs", value, f"must be null or an integer in [0, {MAX_LOGPROBS}]")
 
 
 def _to_ids(value: Any) -> tuple[int, ...] | None:
@@ -194,37 +202,29 @@ def _pair_tuple(value: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], 
     return tuple(value)
 
 
-def _validate_logprobs(_inst: Any, _attr: Any, value: int | None) -> None:
-    if not (value is None or (fields.is_int(value) and 0 <= value <= MAX_LOGPROBS)):
-        raise SamplingError("logprobs", value, f"must be null or an integer in [0, {MAX_LOGPROBS}]")
-
-
 @attrs.frozen
 class SamplingParams:
     """How a generation chooses its tokens. ``logprobs``: None = no log-probabilities; k >= 0 =
     the chosen token's and the k most likely alternatives'. Invalid values raise
     :class:`SamplingError` naming the field and the value."""
 
-    temperature: float = attrs.field(default=0.0, validator=_validate_temperature)
-    top_p: float = attrs.field(default=1.0, validator=_validate_top_p)
-    top_k: int = attrs.field(default=-1, validator=_validate_top_k)
-    seed: int | None = attrs.field(default=None, validator=_validate_seed)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple,
-                                        validator=_validate_stop)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple,
-                                                  validator=_validate_stop_ids)
-    logprobs: int | None = attrs.field(default=None, validator=_validate_logprobs)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    logprobs: int | None = None
     #: vLLM extensions and OpenAI's penalties (:func:`process`; 0/1/empty = off)
-    min_p: float = attrs.field(default=0.0, validator=_validate_min_p)
-    repetition_penalty: float = attrs.field(default=1.0, validator=_validate_repetition)
-    presence_penalty: float = attrs.field(default=0.0, validator=_validate_penalty)
-    frequency_penalty: float = attrs.field(default=0.0, validator=_validate_penalty)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     #: (token id, bias) pairs, added to the row
-    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
-        default=(), converter=_pair_tuple, validator=_validate_logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_pair_tuple)
 
     #: vLLM: the end token and ``stop_token_ids`` cannot be chosen before this many tokens
-    min_tokens: int = attrs.field(default=0, validator=_validate_min_tokens)
+    min_tokens: int = 0
     #: the server's end token(s) (not a request field): what ``min_tokens`` holds back
     end_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
     #: vLLM: the end token does not end the generation
@@ -232,12 +232,58 @@ class SamplingParams:
     #: vLLM: the text keeps the stop string that ended it (drivers/serving/openai_api.TextOutput)
     include_stop_str_in_output: bool = False
     #: vLLM: only these tokens can be chosen (None: all)
-    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ids,
-                                                            validator=_validate_allowed)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ids)
     #: structured outputs and tools: the grammar each generation starts (None: free text)
     grammar: GrammarSpec | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        # Each field's validator, in the order of the fields (as attrs ran them, after every
+        # converter: the first refused field is the one named), asked only where the field's
+        # cheap test does not take the value: a float (an int) in the field's range, an empty
+        # tuple, None where null is allowed. Each of those tests takes only values its
+        # validator takes (a NaN fails every comparison, an infinity every bound), so an
+        # answer is the validators' own. The construction took 50 of the event loop's
+        # Python calls a request with thirteen attrs validators, 7 now (issue 28, stop 75;
+        # tests/test_perf_probe75.py: a differential against them). (attrs'
+        # ``validators.set_disabled`` no longer turns them off: nothing here used it.)
+        value: Any = self.temperature
+        if type(value) is not float or not 0.0 <= value <= 2.0:
+            _validate_temperature(value)
+        value = self.top_p
+        if type(value) is not float or not 0.0 < value <= 1.0:
+            _validate_top_p(value)
+        value = self.top_k
+        if type(value) is not int or value < -1:
+            _validate_top_k(value)
+        value = self.seed
+        if value is not None and (type(value) is not int or not SEED_MIN <= value <= SEED_MAX):
+            _validate_seed(value)
+        if self.stop:
+            _validate_stop(self.stop)
+        if self.stop_token_ids:
+            _validate_stop_ids(self.stop_token_ids)
+        value = self.logprobs
+        if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+            _validate_logprobs(value)
+        value = self.min_p
+        if type(value) is not float or not 0.0 <= value <= 1.0:
+            _validate_min_p(value)
+        value = self.repetition_penalty
+        if type(value) is not float or not 0.0 < value < _INF:
+            _validate_repetition(value)
+        value = self.presence_penalty
+        if type(value) is not float or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+            _validate_penalty("presence_penalty", value)
+        value = self.frequency_penalty
+        if type(value) is not float or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+            _validate_penalty("frequency_penalty", value)
+        if self.logit_bias:
+            _validate_logit_bias(self.logit_bias)
+        value = self.min_tokens
+        if type(value) is not int or value < 0:
+            _validate_min_tokens(value)
+        if self.allowed_token_ids is not None:
+            _validate_allowed(self.allowed_token_ids)
         # min_tokens holds the end and stop tokens back; allowed_token_ids of those alone
         # left no token to choose: every logit -inf, and the pick was a token outside
         # allowed_token_ids (id 0 greedy, the last id sampled), silently
