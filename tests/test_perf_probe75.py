@@ -8,12 +8,21 @@ each change a claim of equality that these tests pin where the suite did not.
   validators as they were at stop 74) over generated parameter sets, good and bad, every
   field and every kind of value a caller can pass: the same parameters, or the same error
   (type, field, value and message).
+* ``release_sequence`` tests its arguments fully only where a plain int id in range and a
+  finite float wait >= 0 are not given (``SequenceOwnership``), and the executor's refusal of
+  a waiting release on a worker thread tests a float wait without the ABC's ``isinstance``:
+  a differential of the answers against the full tests (stop 74's ``_argument_refusal``)
+  over generated ids and waits, and the worker-thread refusal of each kind of wait on the
+  completion thread against stop 74's predicate.
 """
 
 from __future__ import annotations
 
 import fractions
 import math
+import numbers
+import operator
+import threading
 from collections.abc import Iterable, Sized
 from decimal import Decimal
 from typing import Any
@@ -25,6 +34,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calexec.contracts import fields
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import S32_MAX
 from calexec.drivers.serving import sampling
 from calexec.drivers.serving.sampling import (
     LOGIT_BIAS_RANGE,
@@ -39,6 +51,9 @@ from calexec.drivers.serving.sampling import (
     SamplingError,
     SamplingParams,
 )
+from calexec.machines.job import InferenceResult
+from calexec.machines.sequences import SequenceOwnership
+from executor_harness import deadline, prefill, running_job_path, write_calbin
 
 # ---- the reference: SamplingParams' validation as it was at stop 74 (attrs validators) ------
 _NUMBERS = (int, float, np.integer, np.floating)
@@ -376,3 +391,100 @@ def test_a_request_s_parameters_are_built_as_before():
               "allowed_token_ids": None, "include_stop_str_in_output": False}
     assert _outcome(SamplingParams, chosen) == _outcome(_Reference, chosen)
     assert _outcome(SamplingParams, chosen)[0] == "built"
+
+
+# ---- release_sequence's arguments ----------------------------------------------------------------
+def _reference_argument_refusal(seq_id: object, wait_s: object) -> Status | None:
+    """``machines.sequences._argument_refusal`` at stop 74, asked of every release."""
+    try:
+        index = None if isinstance(seq_id, bool) else operator.index(seq_id)  # type: ignore[arg-type]
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index <= S32_MAX:
+        return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
+                              f"release_sequence: seq_id={seq_id!r}: expected a sequence id, "
+                              f"an int in 0..{S32_MAX}")
+    if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not math.isfinite(
+            fields.to_float(wait_s)) or wait_s < 0:
+        return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
+                              f"release_sequence: wait_s={wait_s!r}: expected a finite number of "
+                              "seconds >= 0 (0: no wait)", seq_id=index)
+    return None
+
+
+class _NoGeneration(SequenceOwnership):
+    """An owner between generations: a release whose arguments pass answers OK."""
+
+    gen = None
+
+
+_SEQ_IDS = st.one_of(st.integers(-3, 10), st.sampled_from(
+    [S32_MAX, S32_MAX + 1, -S32_MAX, 2 ** 70, True, False, 1.0, "1", None, np.int64(3),
+     np.uint32(S32_MAX), np.int8(-1), np.bool_(True)]))
+_WAITS = st.one_of(st.floats(), st.integers(-3, 3), st.sampled_from(
+    [0.0, -0.0, 1e-300, 1e308, math.inf, -math.inf, math.nan, 0, True, False, 10 ** 400,
+     "1", None, np.float32(0.1), np.float64(math.nan), np.int64(2), Decimal("1"),
+     fractions.Fraction(1, 2)]))
+
+
+def _answer(status: Status) -> tuple[Any, ...]:
+    return (status.code, status.category, status.phase, status.message, repr(status))
+
+
+@settings(max_examples=600, deadline=None)
+@given(seq_id=_SEQ_IDS, wait_s=_WAITS)
+def test_release_arguments_answer_as_the_full_test_answered(seq_id, wait_s):
+    """Differential (``SequenceOwnership.release_sequence`` asks ``_argument_refusal`` only
+    off its fast path, since stop 75): for generated ids and waits, the release of an owner
+    between generations answers the full test's refusal, or OK where it took them."""
+    expected = _reference_argument_refusal(seq_id, wait_s)
+    got = _NoGeneration().release_sequence(seq_id, wait_s)
+    assert _answer(got) == _answer(Status.OK if expected is None else expected)
+
+
+def _reference_refuses_on_worker(wait_s: object) -> bool:
+    """``DeviceExecutor.release_sequence``'s test at stop 74: a release that would wait,
+    refused on a worker thread."""
+    return isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) and wait_s > 0
+
+
+def test_a_worker_thread_s_release_is_refused_for_the_waits_it_was_refused_for(tmp_path):
+    """``DeviceExecutor.release_sequence`` on the completion thread (a done callback): each
+    kind of wait is refused with the RuntimeError, or answered, as stop 74's test of it
+    decided (a float tested without the ABC's ``isinstance`` since stop 75)."""
+    waits: list[Any] = [0.5, 0.0, -0.0, -1.0, math.nan, math.inf, 1e-300, 1, 0, True, False,
+                        np.float32(0.5), np.float64(0.0), "1", None]
+    seen: dict[Any, Any] = {}
+    with running_job_path(write_calbin(tmp_path)) as ex:
+        done = threading.Event()
+
+        def on_done(handle: Any) -> None:  # calexec-completion
+            seen["thread"] = threading.current_thread().name
+            try:
+                for i, wait_s in enumerate(waits):
+                    try:
+                        seen[i] = ex.release_sequence(5, wait_s)
+                    except RuntimeError as exc:
+                        seen[i] = exc
+            finally:
+                done.set()
+
+        # the job is held on the stepped device until its callback is in place, so that the
+        # callback runs on calexec-completion (not on this thread, for a job already done)
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0
+        try:
+            handle = ex.enqueue(prefill(1, [1, 2, 3]))
+            handle.add_done_callback(on_done)
+        finally:
+            assert emu.set_stepped(False) == 0
+        assert isinstance(handle.wait_until(deadline()), InferenceResult)
+        assert done.wait(30.0)
+    assert seen["thread"] == "calexec-completion", seen["thread"]
+    for i, wait_s in enumerate(waits):
+        refused = isinstance(seen[i], RuntimeError)
+        assert refused == _reference_refuses_on_worker(wait_s), (wait_s, seen[i])
+        if refused:
+            assert "release_sequence" in str(seen[i]) and "calexec-completion" in str(seen[i])
+        else:
+            assert isinstance(seen[i], Status), (wait_s, seen[i])
