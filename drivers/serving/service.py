@@ -1224,19 +1224,20 @@ class CompletionService:
             if run.cancelled is not None:  # an operator's cancel: no token more, even one
                 run.status = run.cancelled  # a burst already took (its end: ``cancel``)
                 return None
+            # (no ``typing.cast`` here: a Python call for each token; issue 28, stop 75)
             if run.burst:
                 with run.mu:  # (a streamed burst's thread may wait for room)
-                    token = run.burst.popleft()
+                    taken: int = run.burst.popleft()
                     if run.burst_paused and len(run.burst) <= STREAM_AHEAD // 2:
                         run.burst_room.notify()
-                return cast(int, token)
+                return taken
             token = await self._step(run)
             if token is not _PROMPT_ROW and token is not _BURST:
                 if token is None and run.cancelled is not None:
                     run.status = run.cancelled
                 elif token is None and run.status is not None:
                     run.status = _as_told(run, _told_as_timeout(run, run.status))
-                return cast(int | None, token)
+                return token  # type: ignore[return-value]  # (an int or None here)
 
     @staticmethod
     def token_ready(run: RequestRun) -> bool:
@@ -1320,7 +1321,7 @@ class CompletionService:
             return None
         if got is _BURST:
             return _BURST
-        result, handle = cast(tuple[Any, Any], got)
+        result, handle = got  # type: ignore[misc]  # (a (result, handle) pair here)
         if isinstance(result, Status):
             return await self._failed(run, result, handle)
         if result.kv_len < len(run.prompt):  # a prompt position's row: the next prompt token's
@@ -2077,7 +2078,7 @@ class CompletionService:
         """(``finish``, a worker thread: one hand-off, not two) Close the run's decode stream
         without waiting; when none of its jobs is left, release its sequence now. True when
         the id is free again (else ``release_later``)."""
-        return close_decode(run, False) and self.release_now(cast(int, run.seq_id))
+        return close_decode(run, False) and self.release_now(run.seq_id)  # type: ignore[arg-type]
 
     def release_now(self, seq_id: int) -> bool:
         """Release ``seq_id`` on the executor without waiting for the device and give it back
