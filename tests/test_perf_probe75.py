@@ -14,11 +14,16 @@ each change a claim of equality that these tests pin where the suite did not.
   a differential of the answers against the full tests (stop 74's ``_argument_refusal``)
   over generated ids and waits, and the worker-thread refusal of each kind of wait on the
   completion thread against stop 74's predicate.
+* ``wire.utf8_json`` does not ask ``json.detect_encoding`` of a body opening with ``{`` and
+  no NUL in its first two bytes: a differential against the function it was over generated
+  bodies (BOMs, NULs, UTF-16 and UTF-32 text, invalid UTF-8, every length near the
+  detector's 2 and 4).
 """
 
 from __future__ import annotations
 
 import fractions
+import json
 import math
 import numbers
 import operator
@@ -37,7 +42,7 @@ from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import S32_MAX
-from calexec.drivers.serving import sampling
+from calexec.drivers.serving import sampling, wire
 from calexec.drivers.serving.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
@@ -488,3 +493,42 @@ def test_a_worker_thread_s_release_is_refused_for_the_waits_it_was_refused_for(t
             assert "release_sequence" in str(seen[i]) and "calexec-completion" in str(seen[i])
         else:
             assert isinstance(seen[i], Status), (wait_s, seen[i])
+
+
+# ---- a body's encoding -----------------------------------------------------------------------------
+def _reference_utf8_json(raw: bytes) -> bytes | str:
+    """``wire.utf8_json`` at stop 74: ``json.detect_encoding`` asked of every body."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return raw[3:]
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        return (f"body: JSON must be UTF-8 (RFC 8259 section 8.1); this body is "
+                f"{encoding.upper()}: send it encoded as UTF-8")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (f"body: JSON must be UTF-8 (RFC 8259 section 8.1); byte {err.start} "
+                f"(0x{raw[err.start]:02X}) is not UTF-8 (a Latin-1 or Windows-1252 body?): "
+                "send it encoded as UTF-8")
+    return raw
+
+
+_HEADS = [b"", b"{", b"{\x00", b"\x00{", b"{{", b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff",
+          b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00", b"[", b" {", b"\xe9", b"{\xe9"]
+_BODIES = st.one_of(
+    st.builds(lambda head, tail: head + tail, st.sampled_from(_HEADS), st.binary(max_size=6)),
+    st.sampled_from(["utf-8", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
+                     "utf-32-be", "latin-1"]).flatmap(
+        lambda codec: st.text(alphabet="{}\"a1é ", max_size=5).map(
+            lambda text: text.encode(codec))),
+    st.binary(max_size=8))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(raw=_BODIES)
+def test_a_body_s_encoding_is_judged_as_detect_encoding_judged_it(raw):
+    """Differential (``wire.utf8_json`` takes a body opening with ``{`` and no NUL in its
+    first two bytes as UTF-8 without ``json.detect_encoding``, since stop 75): the same
+    body or the same refusal for generated bodies, bytes and bytearrays."""
+    assert wire.utf8_json(raw) == _reference_utf8_json(raw)
+    assert wire.utf8_json(bytearray(raw)) == _reference_utf8_json(bytearray(raw))
