@@ -57,6 +57,11 @@ from calexec.commands import lookup
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 
+#: how close (``difflib`` ratio) an unknown flag must be to one of the command's to be offered
+#: as "did you mean" (a typo: ``--tokns`` 0.93, ``--mni`` 0.8; ``--out`` against
+#: ``--timeout``, 0.71, is no typo of it)
+FLAG_CUTOFF = 0.75
+
 #: optional extras and the modules whose absence means the extra is not installed
 EXTRAS: dict[str, tuple[str, ...]] = {
     # httpx: the loopback clients of `bench faults`, `bench soak`, `diagrams live` and the
@@ -317,7 +322,9 @@ class Parser(argparse.ArgumentParser):
                     message += (" (abbreviations are not taken: did you mean "
                                 f"{' or '.join(longer[:3])}{' or ...' if len(longer) > 3 else ''}?)")
                     break
-                close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6)
+                # (0.75: difflib's default 0.6 offered --timeout for --out, which shares
+                # only its letters; a typo of a flag, --tokns, --mni, scores 0.8 and more)
+                close = difflib.get_close_matches(name, flags, n=1, cutoff=FLAG_CUTOFF)
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break

@@ -33,3 +33,17 @@ def test_the_stored_response_routes_keep_their_advice(client) -> None:
     body = caught.value.body
     assert isinstance(body, dict)
     assert "send the whole conversation in input" in body["message"]
+
+
+def test_an_unknown_flag_is_offered_only_a_flag_it_is_a_typo_of(capsys) -> None:
+    """``calexec charts mutate --out d`` answered "did you mean --timeout?" (difflib's
+    default cutoff: ``--out`` shares its letters with ``--timeout``, no more); a typo of a
+    flag keeps its suggestion (stop 75's cli probe)."""
+    from calexec import cli
+
+    assert cli.main(["charts", "mutate", "--out", "d"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unrecognized arguments: --out" in line, line
+    assert "--timeout" not in line, line
+    assert cli.main(["charts", "mutate", "--timeot", "5"]) == 2
+    assert "(did you mean --timeout?)" in capsys.readouterr().err
