@@ -47,3 +47,25 @@ def test_an_unknown_flag_is_offered_only_a_flag_it_is_a_typo_of(capsys) -> None:
     assert "--timeout" not in line, line
     assert cli.main(["charts", "mutate", "--timeot", "5"]) == 2
     assert "(did you mean --timeout?)" in capsys.readouterr().err
+
+
+def test_a_browser_may_send_the_sdks_delete_of_a_response(tmp_path) -> None:
+    """With ``--cors-origin``, a browser's preflight of ``DELETE /v1/responses/{id}`` (the JS
+    SDK's ``responses.delete``) was refused (400 ``method DELETE is not allowed``), so the
+    page saw a network error where the route answers its 404; it is allowed now."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig
+    from test_server_support import openai_server
+
+    origin = "http://app.example"
+    config = ServerConfig(cors_origins=(origin,))
+    with openai_server(tmp_path, config) as (server, _client, _service):
+        pre = httpx.options(f"{server.url}/v1/responses/resp_1", timeout=30, headers={
+            "origin": origin, "access-control-request-method": "DELETE"})
+        assert pre.status_code == 200, pre.text
+        assert "DELETE" in pre.headers["access-control-allow-methods"]
+        gone = httpx.delete(f"{server.url}/v1/responses/resp_1", timeout=30,
+                            headers={"origin": origin})
+        assert gone.status_code == 404
+        assert gone.headers["access-control-allow-origin"] == origin

@@ -124,7 +124,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         # any request header: the official SDKs send their own (the openai JS SDK's
         # x-stainless-*, openai-organization...), which a browser's preflight lists
         app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                            allow_headers=["*"],
                            # what the SDKs read of an answer: a browser shows a page's script
                            # no other header (x-should-retry unexposed, the JS SDK in a page
