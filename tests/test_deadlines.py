@@ -218,8 +218,9 @@ def test_execution_deadline_keeps_the_buffers_until_the_device_lets_go_then_reco
         late = ex.enqueue(prefill(3, PROMPT)).wait_until(deadline())  # admission stopped
         assert isinstance(late, Status) and late.category == Category.UNAVAILABLE, late
         # ... then Recovering -> generation 2 -> golden -> Ready
-        until(lambda: ex.snapshot()["generation"] == 2 and not ex.health(), 20.0,
-              "generation 2 Ready")
+        # (the record is appended once the recovery returns, after generation 2 is Ready)
+        until(lambda: ex.snapshot()["generation"] == 2 and not ex.health() and ex.recoveries,
+              20.0, "generation 2 Ready and its recovery recorded")
         assert ex.recoveries[-1]["reason"] == "execution.deadline"
         assert ex.recoveries[-1]["ok"] and ex.snapshot()["lifecycle"] == "Ready"
         retired = gen1_pool.counts()  # every gen-1 slot retired by the reset, none freed

@@ -117,8 +117,9 @@ def test_fi06_submit_unavailable_stops_admission_while_the_recovery_runs(calbin,
             assert ex.snapshot()["queued"] == 0 and ex.snapshot()["inflight"] == 0
 
             gate.set()  # the recovery goes on: reset, generation 2, golden, Ready
-            until(lambda: ex.snapshot()["generation"] == 2 and not ex.health(), 20.0,
-                  "generation 2 Ready")
+            # (the record is appended once the recovery returns, after generation 2 is Ready)
+            until(lambda: ex.snapshot()["generation"] == 2 and not ex.health()
+                  and ex.recoveries, 20.0, "generation 2 Ready and its recovery recorded")
             record = ex.recoveries[-1]
             assert record["ok"] and record["reset"] and record["reset_kind"] == "reset"
             assert record["reason"] == "calrt.submit_failed" and record["to_generation"] == 2

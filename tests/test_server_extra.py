@@ -148,8 +148,8 @@ def test_ready_follows_an_injected_device_fault_through_recovery(tmp_path):
             refused = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
             assert refused.status_code == 503 and refused.headers["retry-after"]
             assert emu.set_stepped(False) == 0  # the device runs the golden by itself again
-            wait_for(lambda: client.get("/ready").status_code == 200, timeout=20,
-                     what="/ready to return to 200 after the recovery")
+            wait_for(lambda: client.get("/ready").status_code == 200 and bool(executor.recoveries),
+                     timeout=20, what="/ready to return to 200 and the recovery recorded")
             ready = client.get("/ready").json()
             assert ready["lifecycle"] == "Ready" and ready["generation"] == 2
             assert executor.recoveries[-1]["ok"] and executor.recoveries[-1]["reset"]
