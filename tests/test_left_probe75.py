@@ -24,6 +24,7 @@ import httpx  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
     ServeLikeServer,
+    live_fixture,  # noqa: F401  (the module's ``live`` server)
     metric_value,
     oracle_tokens,
     read_until_closed,
@@ -183,29 +184,23 @@ USER = {"role": "user", "content": "weather?"}
       {"role": "tool", "tool_call_id": "call_1", "content": "again"}],
      "messages.4.role", "must be a response to a preceeding message with 'tool_calls'")],
     ids=["after_user", "first", "after_assistant_text", "unknown_id", "after_a_later_turn"])
-def test_a_tool_message_answering_no_call_is_refused_as_openai_refuses_it(tmp_path, messages,
+def test_a_tool_message_answering_no_call_is_refused_as_openai_refuses_it(live, messages,
                                                                          param, words):
     """OpenAI answers 400 ``Invalid parameter: messages with role 'tool' must be a response
     to a preceeding message with 'tool_calls'`` (``param: messages.[N].role``) and
     ``'tool_call_id' of 'call_X' not found in 'tool_calls' of previous message``; so does
     the server now, naming the message (``messages.N.role`` / ``messages.N.tool_call_id``).
     Before stop 75: 200, the model reading an answer to a call it never made."""
-    executor = started_executor(tmp_path)
-    app = create_app(executor, ServerConfig())
-    try:
-        from test_server_support import LiveServer
-        with LiveServer(app) as server:
-            answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
-                                json={"messages": messages, "max_tokens": 2})
-            assert answer.status_code == 400, answer.text
-            error = answer.json()["error"]
-            assert error["param"] == param and words in error["message"], error
-            assert error["type"] == "invalid_request_error"
-    finally:
-        executor.shutdown(5.0)
+    server = live[0]
+    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
+                        json={"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert error["type"] == "invalid_request_error"
 
 
-def test_tool_messages_answering_the_calls_before_them_are_answered(tmp_path):
+def test_tool_messages_answering_the_calls_before_them_are_answered(live):
     """What the SDKs and agent frameworks send: each call's answer after the assistant
     message with the calls, several answers in a row, a later turn with calls of its own."""
     history = [USER, {"role": "assistant", "content": None, "tool_calls": [CALL, CALL2]},
@@ -215,16 +210,9 @@ def test_tool_messages_answering_the_calls_before_them_are_answered(tmp_path):
                {"role": "assistant", "content": "checking", "tool_calls": [
                    {**CALL, "id": "call_3"}]},
                {"role": "tool", "tool_call_id": "call_3", "content": "sunny"}]
-    executor = started_executor(tmp_path)
-    app = create_app(executor, ServerConfig())
-    try:
-        from test_server_support import LiveServer
-        with LiveServer(app) as server:
-            answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=WAIT_S,
-                                json={"messages": history, "max_tokens": 2})
-            assert answer.status_code == 200, answer.text
-    finally:
-        executor.shutdown(5.0)
+    answer = httpx.post(f"{live[0].url}/v1/chat/completions", timeout=WAIT_S,
+                        json={"messages": history, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
 
 
 # ---- 4: the chaos clients' own arguments -------------------------------------------------------
